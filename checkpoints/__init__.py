@@ -1,0 +1,27 @@
+"""Checkpoint hand-off between stages: atomic save, manifest, verified load."""
+
+from checkpoints.hub import import_pretrained
+from checkpoints.store import (
+    CheckpointError,
+    CheckpointRef,
+    commit,
+    config_hash,
+    load_ref,
+    read_manifest,
+    require_kind,
+    staging,
+    verify,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointRef",
+    "commit",
+    "config_hash",
+    "import_pretrained",
+    "load_ref",
+    "read_manifest",
+    "require_kind",
+    "staging",
+    "verify",
+]

@@ -1,0 +1,253 @@
+"""The checkpoint hand-off: the only code that writes or reads a checkpoint folder.
+
+A checkpoint is a Hugging Face ``save_pretrained`` folder (safetensors only) plus ``manifest.json``,
+which records the stage that made it, its kind (``full``, ``adapter``, ``reward``), its parent
+checkpoint, the hash of the config that produced it and the sha256 of every file. A
+:class:`CheckpointRef` is the small, serialisable handle stages pass to each other.
+
+Saving is atomic: files are written into a hidden staging sibling (``.NAME.partial-XXXX``), fsynced,
+the manifest is written last, and only then is the folder renamed to its final name. A crash at any
+point leaves no folder under the final name, so a folder that exists and has a manifest is complete.
+Loading verifies every file against the manifest before anything reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+CheckpointKind = Literal["full", "adapter", "reward"]
+# Files that may execute code when read; a checkpoint must never hold them.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder is missing, incomplete, altered or of the wrong kind."""
+
+
+class CheckpointRef(BaseModel):
+    """A verifiable handle on a committed checkpoint folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str
+    stage: str
+    kind: CheckpointKind
+    parent: str | None = None  # content digest of the checkpoint this one was trained from
+    base: str | None = None  # for adapters: content digest of the full model they apply to
+    config_hash: str
+    digest: str  # sha256 over the manifest's (file, sha256) list
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = MANIFEST_VERSION
+    stage: str
+    kind: CheckpointKind
+    parent: str | None
+    base: str | None
+    config_hash: str
+    created: str
+    files: dict[str, str]  # relative path -> sha256
+    sizes: dict[str, int]
+    digest: str
+    extra: dict = {}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def content_digest(files: dict[str, str]) -> str:
+    """sha256 over the sorted (relative path, file sha256) pairs: identical content, identical digest."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\0{files[name]}\n".encode())
+    return h.hexdigest()
+
+
+def config_hash(config: BaseModel | dict) -> str:
+    """A stable hash of a config: canonical JSON (sorted keys) of its fields."""
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _listing(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+@contextmanager
+def staging(dest: str | Path) -> Iterator[Path]:
+    """Yield an empty hidden sibling of ``dest`` to write a checkpoint into.
+
+    Use with :func:`commit`. If the body raises, the staging folder is removed; if the process
+    dies, the leftover staging folder has no manifest and a name no reader looks up.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def commit(
+    tmp: str | Path,
+    dest: str | Path,
+    *,
+    stage: str,
+    kind: CheckpointKind,
+    config_hash: str,
+    parent: CheckpointRef | None = None,
+    base: CheckpointRef | None = None,
+    extra: dict | None = None,
+) -> CheckpointRef:
+    """Digest, fsync and manifest the files in ``tmp``, then rename it to ``dest`` atomically.
+
+    An existing ``dest`` is replaced only after the new folder is complete (the old one is moved
+    aside first and removed after the rename), so a reader never sees a half-written checkpoint.
+    """
+    tmp, dest = Path(tmp), Path(dest)
+    files: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for p in _listing(tmp):
+        rel = p.relative_to(tmp).as_posix()
+        if p.suffix in PICKLE_SUFFIXES:
+            raise CheckpointError(f"{p}: pickle-format file in a checkpoint; save with safetensors instead")
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+        files[rel] = sha256_file(p)
+        sizes[rel] = p.stat().st_size
+    if not files:
+        raise CheckpointError(f"{tmp}: nothing to commit (no files were written)")
+    digest = content_digest(files)
+    manifest = Manifest(
+        stage=stage,
+        kind=kind,
+        parent=parent.digest if parent else None,
+        base=base.digest if base else None,
+        config_hash=config_hash,
+        created=datetime.now(UTC).isoformat(),
+        files=files,
+        sizes=sizes,
+        digest=digest,
+        extra=extra or {},
+    )
+    mpath = tmp / MANIFEST
+    with open(mpath, "w") as f:
+        f.write(manifest.model_dump_json(indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    for d in {tmp, *(p.parent for p in _listing(tmp))}:
+        _fsync_dir(d)
+    old = None
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    _fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return CheckpointRef(
+        path=str(dest.resolve()),
+        stage=stage,
+        kind=kind,
+        parent=manifest.parent,
+        base=manifest.base,
+        config_hash=config_hash,
+        digest=digest,
+    )
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no checkpoint folder there")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST}; the folder is not a committed checkpoint (an interrupted save?)")
+    try:
+        return Manifest.model_validate_json(mpath.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest: {e}") from e
+
+
+def verify(ref_or_path: CheckpointRef | str | Path) -> Manifest:
+    """Recompute every file's sha256 and compare with the manifest (and the ref's digest, if given).
+
+    Raises :class:`CheckpointError` naming the first missing, truncated, altered or unexpected file.
+    """
+    path = Path(ref_or_path.path if isinstance(ref_or_path, CheckpointRef) else ref_or_path)
+    m = read_manifest(path)
+    for rel, sha in sorted(m.files.items()):
+        p = path / rel
+        if not p.is_file():
+            raise CheckpointError(f"{p}: file listed in the manifest is missing")
+        size = p.stat().st_size
+        if size != m.sizes.get(rel, size):
+            raise CheckpointError(f"{p}: size {size} bytes, manifest says {m.sizes[rel]} (truncated or altered)")
+        if sha256_file(p) != sha:
+            raise CheckpointError(f"{p}: sha256 differs from the manifest (file altered)")
+    for p in _listing(path):
+        rel = p.relative_to(path).as_posix()
+        if rel not in m.files:
+            raise CheckpointError(f"{p}: file not in the manifest (added after the save)")
+    if content_digest(m.files) != m.digest:
+        raise CheckpointError(f"{path / MANIFEST}: digest does not match its file list")
+    if isinstance(ref_or_path, CheckpointRef) and ref_or_path.digest != m.digest:
+        raise CheckpointError(
+            f"{path}: holds checkpoint {m.digest[:12]}, but the reference expects {ref_or_path.digest[:12]}"
+        )
+    return m
+
+
+def load_ref(path: str | Path) -> CheckpointRef:
+    """Verify the folder and return its reference."""
+    path = Path(path)
+    m = verify(path)
+    return CheckpointRef(
+        path=str(path.resolve()),
+        stage=m.stage,
+        kind=m.kind,
+        parent=m.parent,
+        base=m.base,
+        config_hash=m.config_hash,
+        digest=m.digest,
+    )
+
+
+def require_kind(ref: CheckpointRef, expected: tuple[str, ...], role: str) -> None:
+    """Refuse a checkpoint of the wrong kind for a stage input (e.g. a reward model as a policy)."""
+    if ref.kind not in expected:
+        raise CheckpointError(
+            f"{ref.path}: a '{ref.kind}' checkpoint (from stage '{ref.stage}') was given as {role}; "
+            f"expected kind {' or '.join(repr(k) for k in expected)}"
+        )

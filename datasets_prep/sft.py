@@ -1,0 +1,162 @@
+"""SFT examples: templating, tokenization with the prompt masked from the loss, and the length policy.
+
+A row becomes ``Example(input_ids, loss_mask)``. Three row shapes, chosen by the data config:
+
+- prompt/response: ``input_key`` text and ``output_key`` text; the prompt is rendered with the chat
+  template as a user turn (or with ``input_template``), the response is the rest of the rendering
+  (so the template's end-of-turn token is learned);
+- multi-turn: ``input_key`` holds a list of chat messages; every assistant turn is in the loss,
+  everything else is masked. Each turn is rendered as the difference between the template applied to
+  the conversation up to and including it and the conversation before it;
+- pretrain mode: ``input_key`` text, every token in the loss.
+
+Sequences longer than ``max_len`` are truncated or dropped (``overflow``) and counted in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from datasets_prep.loading import DataConfig, DataError, load_rows, require_text
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is a training target
+
+
+@dataclass
+class PrepReport:
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    loss_tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"{self.rows} rows -> {self.kept} examples ({self.truncated} truncated, {self.dropped} dropped "
+            f"over max_len), {self.loss_tokens} loss tokens"
+        )
+
+
+def check_sft_row(config: DataConfig):
+    def check(row: dict, where: str) -> None:
+        value = require_text(row, config.input_key, where, "input_key", allow_messages=not config.pretrain_mode)
+        if config.pretrain_mode:
+            return
+        if isinstance(value, list):
+            if config.output_key and config.output_key in row:
+                require_text(row, config.output_key, where, "output_key")
+            elif not any(m["role"] == "assistant" for m in value):
+                raise DataError(f"{where}: field '{config.input_key}' has no assistant turn to train on")
+            if not config.apply_chat_template:
+                raise DataError(f"{where}: chat messages need apply_chat_template: true")
+            return
+        if config.output_key is None:
+            raise DataError(f"{where}: text input needs output_key (or pretrain_mode: true)")
+        require_text(row, config.output_key, where, "output_key")
+
+    return check
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def render_prompt(tokenizer, prompt, config: DataConfig) -> str:
+    """The text a model sees before its response: chat template, input_template or the raw prompt."""
+    if isinstance(prompt, list):
+        return _render(tokenizer, prompt, add_generation_prompt=True)
+    if config.apply_chat_template:
+        return _render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    if config.input_template is not None:
+        return config.input_template.format(prompt)
+    return prompt
+
+
+def render_response(tokenizer, prompt, response: str, config: DataConfig) -> str:
+    """The response as the template ends it (end-of-turn token included)."""
+    if config.apply_chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        head = _render(tokenizer, messages, add_generation_prompt=True)
+        full = _render(tokenizer, [*messages, {"role": "assistant", "content": response}], add_generation_prompt=False)
+        if not full.startswith(head):
+            raise DataError("the chat template does not render the prompt as a prefix of the conversation")
+        return full[len(head):]
+    return response + (tokenizer.eos_token or "")
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> Example:
+    """Token ids of a conversation with the loss on assistant turns only."""
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            head = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+            if not (head.startswith(done) and full.startswith(head)):
+                raise DataError("the chat template does not render conversations incrementally")
+            pieces = [(head[len(done):], 0), (full[len(head):], 1)]
+        else:
+            full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+            if not full.startswith(done):
+                raise DataError("the chat template does not render conversations incrementally")
+            pieces = [(full[len(done):], 0)]
+        for text, in_loss in pieces:
+            piece = _ids(tokenizer, text)
+            ids += piece
+            mask += [in_loss] * len(piece)
+        done = full
+    return Example(ids, mask)
+
+
+def tokenize_sft_row(row: dict, tokenizer, config: DataConfig) -> Example:
+    value = row[config.input_key]
+    if config.pretrain_mode:
+        ids = _ids(tokenizer, value) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        return Example(ids, [1] * len(ids))
+    if isinstance(value, list):
+        messages = list(value)
+        if config.output_key and config.output_key in row:
+            messages.append({"role": "assistant", "content": row[config.output_key]})
+        return tokenize_conversation(tokenizer, messages)
+    prompt_ids = _ids(tokenizer, render_prompt(tokenizer, value, config))
+    response_ids = _ids(tokenizer, render_response(tokenizer, value, row[config.output_key], config))
+    return Example(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
+
+
+def apply_length_policy(examples: list[Example], max_len: int, overflow: str, report: PrepReport) -> list[Example]:
+    kept = []
+    for ex in examples:
+        if len(ex.input_ids) > max_len:
+            if overflow == "drop":
+                report.dropped += 1
+                continue
+            report.truncated += 1
+            ex = Example(ex.input_ids[:max_len], ex.loss_mask[:max_len])
+        if sum(ex.loss_mask[1:]) == 0:  # nothing left to learn from (the first token is never a target)
+            report.dropped += 1
+            continue
+        kept.append(ex)
+    return kept
+
+
+def prepare_sft(config: DataConfig, tokenizer) -> tuple[list[Example], PrepReport]:
+    """Load, validate and tokenize SFT rows. Raises DataError before any training on bad input."""
+    rows = load_rows(config, check_sft_row(config))
+    report = PrepReport(rows=len(rows))
+    examples = [tokenize_sft_row(r, tokenizer, config) for r in rows]
+    examples = apply_length_policy(examples, config.max_len, config.overflow, report)
+    if not examples:
+        raise DataError(f"{', '.join(config.paths)}: no example left after the length policy ({report.summary()})")
+    report.kept = len(examples)
+    report.loss_tokens = sum(sum(e.loss_mask[1:]) for e in examples)
+    return examples, report

@@ -1,0 +1,113 @@
+"""The embedded default task: integer addition with a verifiable answer.
+
+A prompt is ``"A+B"`` with operands of 1 to 3 digits; the answer is the decimal sum. It is easy to
+verify, hard enough that a 3M-parameter model trained for a few minutes is far from perfect (carries
+across several digits), and graded, so preference and RL stages have something to improve.
+
+``write_task_files`` writes ordinary JSONL files in the formats user data comes in:
+
+- ``sft.jsonl``: ``{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}``
+- ``preference.jsonl`` / ``preference_eval.jsonl``: ``{"prompt", "chosen", "rejected"}``
+  (chosen is the right sum, rejected a plausible wrong one)
+- ``rl_prompts.jsonl``: ``{"prompt", "answer"}``
+- ``eval.jsonl``: ``{"prompt", "answer"}``, problems that appear in no training file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+SPLITS = {"sft": 4000, "preference": 2000, "preference_eval": 200, "rl_prompts": 2000, "eval": 200}
+_ANSWER = re.compile(r"-?\d+")
+
+
+def make_problem(rng: random.Random) -> tuple[str, str]:
+    a = rng.randrange(0, 10 ** rng.randint(1, 3))
+    b = rng.randrange(0, 10 ** rng.randint(1, 3))
+    return f"{a}+{b}", str(a + b)
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible mistake: one digit off, a dropped carry, or a swapped pair."""
+    n = int(answer)
+    for _ in range(20):
+        kind = rng.randrange(3)
+        if kind == 0:
+            cand = n + rng.choice([-1, 1]) * 10 ** rng.randrange(len(answer))
+        elif kind == 1:
+            cand = n - 10 ** rng.randrange(1, len(answer) + 1)
+        else:
+            digits = list(answer)
+            if len(digits) < 2:
+                continue
+            i = rng.randrange(len(digits) - 1)
+            digits[i], digits[i + 1] = digits[i + 1], digits[i]
+            cand = int("".join(digits))
+        if cand >= 0 and cand != n:
+            return str(cand)
+    return str(n + 1)
+
+
+def extract_answer(response: str) -> str | None:
+    """The first integer in a response, or None."""
+    m = _ANSWER.search(response)
+    return m.group(0) if m else None
+
+
+def is_correct(response: str, answer: str) -> bool:
+    return extract_answer(response) == str(answer).strip()
+
+
+def generate(seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, list[dict]]:
+    """Deterministic rows per split; eval problems are disjoint from every training split."""
+    sizes = {**SPLITS, **(sizes or {})}
+    rng = random.Random(seed)
+    held_out: set[str] = set()
+    eval_rows = []
+    while len(eval_rows) < sizes["eval"]:
+        p, a = make_problem(rng)
+        if p not in held_out:
+            held_out.add(p)
+            eval_rows.append({"prompt": p, "answer": a})
+
+    def fresh() -> tuple[str, str]:
+        while True:
+            p, a = make_problem(rng)
+            if p not in held_out:
+                return p, a
+
+    out: dict[str, list[dict]] = {"eval": eval_rows}
+    out["sft"] = [
+        {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": a}]}
+        for p, a in (fresh() for _ in range(sizes["sft"]))
+    ]
+    for split in ("preference", "preference_eval"):
+        out[split] = [
+            {"prompt": p, "chosen": a, "rejected": wrong_answer(a, rng)}
+            for p, a in (fresh() for _ in range(sizes[split]))
+        ]
+    out["rl_prompts"] = [{"prompt": p, "answer": a} for p, a in (fresh() for _ in range(sizes["rl_prompts"]))]
+    return out
+
+
+def write_task_files(folder: str | Path, seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, Path]:
+    """Write one JSONL file per split into ``folder``; returns split -> path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in generate(seed, sizes).items():
+        path = folder / f"{split}.jsonl"
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(path)
+        paths[split] = path
+    return paths
+
+
+def corpus(seed: int = 0, n: int = 3000) -> list[str]:
+    """Plain texts of the task, for training the tokenizer."""
+    rng = random.Random(seed + 1)
+    return [f"{p} = {a}" for p, a in (make_problem(rng) for _ in range(n))]

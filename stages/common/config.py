@@ -1,0 +1,72 @@
+"""Config models shared by the training stages (fields typed with these, not base classes)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class TrainConfig(BaseModel):
+    """DeepSpeed, batch, optimizer and schedule settings of a training stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    world_size: int = 1  # ranks on this machine (CPU: gloo, GPU: NCCL, one GPU each)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    train_batch_size: int = 32  # global, across ranks and accumulation steps
+    micro_train_batch_size: int = 8  # per rank per forward
+    max_steps: int | None = None  # optimizer steps; None = num_epochs over the data
+    num_epochs: int = 1
+    lr: float = 1e-3
+    lr_scheduler: Literal["cosine", "constant"] = "cosine"
+    warmup_ratio: float = 0.05
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = False
+    seed: int = 42
+    save_steps: int = 0  # in-stage checkpoint every N steps; 0 = none
+    resume: bool = False  # continue from the latest in-stage checkpoint of the same run
+    logging_steps: int = 1
+    progress_bar: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        for name in ("world_size", "train_batch_size", "micro_train_batch_size", "num_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be at least 1")
+        per_step = self.micro_train_batch_size * self.world_size
+        if self.train_batch_size % per_step:
+            raise ValueError(
+                f"train_batch_size: {self.train_batch_size} is not divisible by micro_train_batch_size "
+                f"({self.micro_train_batch_size}) x world_size ({self.world_size}) = {per_step}"
+            )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps: {self.max_steps} must be at least 1")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio: {self.warmup_ratio} must be in [0, 1)")
+        if self.lr <= 0:
+            raise ValueError(f"lr: {self.lr} must be positive")
+        return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.train_batch_size // (self.micro_train_batch_size * self.world_size)
+
+
+class LoraConfig(BaseModel):
+    """LoRA adapters (peft). rank 0 trains the full model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = 0
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0

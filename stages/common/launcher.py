@@ -1,0 +1,137 @@
+"""Start N training ranks as subprocesses of the stage, wait, and surface the first failure.
+
+Each rank runs ``python -m stages.common.worker TARGET JOB.json`` with the usual torch.distributed
+environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT). Ranks run in their own process group, so on a
+failure, a timeout or Ctrl-C every rank (and anything it started) is killed; a failed rank's
+traceback becomes the text of the :class:`StageFailed` the stage raises. Rank 0's stdout is the
+stage's (progress bar); every rank also logs to ``RUN_DIR/logs/rank{r}.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class StageFailed(RuntimeError):
+    """A rank of a stage failed; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", str(threads)),
+        PYTHONPATH=os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p),
+        PYTHONUNBUFFERED="1",
+    )
+    # DeepSpeed JIT-builds its CPU ops once; keep them in a project cache instead of ~/.cache.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
+    return env
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:  # whatever survived SIGTERM, and any children left in the group
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def _failure_text(run_dir: Path, rank: int, code: int) -> str:
+    err = run_dir / f"rank{rank}.error"
+    if err.is_file():
+        return f"rank {rank} failed:\n{err.read_text()}"
+    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+    hint = " (killed: out of memory?)" if code in (-9, 137) else ""
+    log = run_dir / "logs" / f"rank{rank}.log"
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.is_file() else ""
+    return f"rank {rank} died with {how}{hint}; last log lines:\n{tail}"
+
+
+def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout_s: float | None = None) -> dict:
+    """Run ``target`` (``module:function(job, rank, world_size) -> dict``) on ``world_size`` ranks.
+
+    Returns rank 0's result. Raises :class:`StageFailed` with the failing rank's traceback.
+    """
+    run_dir = Path(run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in [run_dir / "result.json", *run_dir.glob("rank*.error")]:
+        stale.unlink(missing_ok=True)
+    job_path = run_dir / "job.json"
+    job_path.write_text(json.dumps(job, indent=2))
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for rank in range(world_size):
+            log = open(run_dir / "logs" / f"rank{rank}.log", "w")
+            logs.append(log)
+            cmd = [sys.executable, "-m", "stages.common.worker", target, str(job_path), str(run_dir)]
+            out = None if rank == 0 else log
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=rank_env(rank, world_size, port),
+                    cwd=os.getcwd(),
+                    stdout=out if out else None,
+                    stderr=subprocess.STDOUT if out else None,
+                    start_new_session=True,
+                )
+            )
+        start = time.time()
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                # the first rank with a traceback is the cause; the others usually died of its absence
+                failed.sort(key=lambda rc: not (run_dir / f"rank{rc[0]}.error").is_file())
+                _kill(procs)
+                raise StageFailed(_failure_text(run_dir, *failed[0]))
+            if all(c == 0 for c in codes):
+                break
+            if timeout_s is not None and time.time() - start > timeout_s:
+                _kill(procs)
+                raise StageFailed(f"{target}: timed out after {timeout_s:.0f} s")
+            time.sleep(0.2)
+    except BaseException:
+        _kill(procs)
+        raise
+    finally:
+        for log in logs:
+            log.close()
+    result = run_dir / "result.json"
+    return json.loads(result.read_text()) if result.is_file() else {}

@@ -1,0 +1,80 @@
+"""Recipes: YAML files plus ``key.sub=value`` overrides, validated into a stage's pydantic config.
+
+Every error names the recipe file, the dotted field path, the value given and what was expected.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class RecipeError(ValueError):
+    """A recipe file or override is unreadable or does not fit the stage's config."""
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a mapping of config fields at the top, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` strings; values are parsed as YAML scalars/lists (``lr=1e-5``, ``x=[1,2]``)."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r}: expected key=value (e.g. train.lr=1e-5)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise RecipeError(f"override {item!r}: '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config ({err.error_count()} error(s))"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<top>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key (value {e['input']!r}); check the spelling against the stage's config")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {e['input']!r})")
+    return "\n".join(lines)
+
+
+def validate(cls: type[T], data: dict[str, Any], source: str) -> T:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(format_validation_error(e, source)) from None
+
+
+def load_config(cls: type[T], argv: list[str] | None = None) -> T:
+    """``[RECIPE.yaml] [key=value ...]`` -> a validated config (the CLI of every stage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if argv and "=" not in argv[0]:
+        source = argv.pop(0)
+        data = read_yaml(source)
+    data = apply_overrides(data, argv)
+    return validate(cls, data, source)

@@ -1,0 +1,256 @@
+"""The training core shared by SFT, RM and DPO: DeepSpeed engine, step loop, resume, metrics, export.
+
+Runs inside one rank (see ``launcher``). A stage supplies its items, a ``collate`` function, a
+``loss_fn(module, batch) -> (loss_sum, metric_sums)`` and a per-item ``weight`` (SFT: loss tokens,
+DPO/RM: 1). The loss of an optimizer step is ``sum of loss_sum over the global batch / sum of
+weights``; each micro-batch's backward is scaled so that DeepSpeed's averaging over accumulation
+steps and ranks yields exactly that gradient, whatever the split into micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from datasets_prep.packing import BatchSchedule
+from stages.common.config import LoraConfig, TrainConfig
+
+STATE_DIR = "state"
+
+
+def init_distributed() -> None:
+    import deepspeed
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        deepspeed.init_distributed(dist_backend="nccl")
+    else:
+        deepspeed.init_distributed(dist_backend="gloo")
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def deepspeed_config(train: TrainConfig) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": train.zero_stage}
+    if train.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_param_persistence_threshold=0)
+    return {
+        "train_batch_size": train.train_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_train_batch_size,
+        "gradient_accumulation_steps": train.accumulation_steps,
+        "gradient_clipping": train.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": train.dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+@dataclass
+class Engine:
+    engine: Any  # deepspeed.DeepSpeedEngine
+    ds_config: dict
+    hf_ds_config: Any  # transformers' HfDeepSpeedConfig; must stay alive for ZeRO-3 from_pretrained
+    is_peft: bool
+
+
+def build_engine(model_path: str, train: TrainConfig, lora: LoraConfig, total_steps: int, model_loader: Callable) -> Engine:
+    """Load the model (ZeRO-3 partitioned at load when stage 3), add LoRA, wrap in DeepSpeed."""
+    import deepspeed
+    from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
+    from transformers.integrations import HfDeepSpeedConfig
+
+    ds_config = deepspeed_config(train)
+    hf_ds = HfDeepSpeedConfig(ds_config) if train.zero_stage == 3 else None
+    torch.manual_seed(train.seed)
+    model = model_loader(model_path)
+    if train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        if train.gradient_checkpointing:
+            model.enable_input_require_grads()
+        task = "SEQ_CLS" if getattr(model.config, "num_labels", 0) == 1 and hasattr(model, "score") else "CAUSAL_LM"
+        model = get_peft_model(
+            model,
+            PeftLoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type=task,
+            ),
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay)
+    warmup = int(train.warmup_ratio * total_steps)
+    if train.lr_scheduler == "cosine":
+
+        def scheduler(opt):
+            return get_cosine_with_min_lr_schedule_with_warmup(
+                opt, num_warmup_steps=warmup, num_training_steps=total_steps, min_lr_rate=train.min_lr_ratio
+            )
+    else:
+
+        def scheduler(opt):
+            return get_constant_schedule_with_warmup(opt, num_warmup_steps=warmup)
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return Engine(engine, ds_config, hf_ds, lora.enabled)
+
+
+class MetricsWriter:
+    """Rank 0 only: one JSON line per step, the same scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, start_step: int, enabled: bool):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = run_dir / "metrics.jsonl"
+        if self.path.is_file():  # resuming: keep the steps that happened before the resume point
+            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.file = open(self.path, "a")
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        for k, v in metrics.items():
+            self.tb.add_scalar(f"train/{k}", v, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            self.tb.close()
+
+
+def _maybe_inject_fault(step: int, rank: int) -> None:
+    """Test hook: RLHF_FAULT_STEP=N makes rank RLHF_FAULT_RANK crash (exit) or raise after step N."""
+    at = os.environ.get("RLHF_FAULT_STEP")
+    if at is None or int(at) != step or int(os.environ.get("RLHF_FAULT_RANK", "0")) != rank:
+        return
+    if os.environ.get("RLHF_FAULT_MODE", "raise") == "exit":
+        os._exit(3)
+    raise RuntimeError(f"injected fault at step {step} on rank {rank}")
+
+
+def latest_state_step(run_dir: Path) -> int | None:
+    latest = run_dir / STATE_DIR / "latest"
+    return int(latest.read_text().strip().removeprefix("step")) if latest.is_file() else None
+
+
+def fit(
+    eng: Engine,
+    items: Sequence[Any],
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
+    loss_fn: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    weight: Callable[[Any], float],
+    train: TrainConfig,
+    total_steps: int,
+    run_dir: Path,
+    rank: int,
+    world_size: int,
+) -> list[dict[str, float]]:
+    """The step loop. Returns the per-step metrics (on every rank)."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    engine = eng.engine
+    schedule = BatchSchedule(len(items), train.train_batch_size, train.micro_train_batch_size, world_size, train.seed)
+    start = 0
+    if train.resume and latest_state_step(run_dir) is not None:
+        _, client = engine.load_checkpoint(str(run_dir / STATE_DIR))
+        start = int(client["step"])
+        torch.set_rng_state(client["torch_rng"])
+    writer = MetricsWriter(run_dir, start, enabled=rank == 0)
+    dev = device()
+    history: list[dict[str, float]] = []
+    bar = tqdm(total=total_steps, initial=start, disable=rank != 0 or not train.progress_bar, desc="train")
+    engine.train()
+    for step in range(start, total_steps):
+        t0 = time.perf_counter()
+        norm = float(sum(weight(items[i]) for i in schedule.global_batch(step)))
+        if norm <= 0:
+            raise ValueError(f"step {step + 1}: the global batch has no loss weight (no target tokens)")
+        scale = train.accumulation_steps * world_size / norm
+        lr = engine.get_lr()[0]
+        sums: dict[str, torch.Tensor] = {}
+        tokens = torch.zeros((), dtype=torch.float64)
+        for micro in schedule.micro_batches(step, rank):
+            batch = {k: v.to(dev) for k, v in collate([items[i] for i in micro]).items()}
+            loss_sum, metric_sums = loss_fn(engine, batch)
+            engine.backward(loss_sum * scale)
+            engine.step()
+            for k, v in {"loss": loss_sum, **metric_sums}.items():
+                sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64)) + v.detach().double().cpu()
+            tokens += float(batch["input_ids"].numel())
+        keys = sorted(sums)
+        packed = torch.stack([sums[k] for k in keys] + [tokens])
+        if world_size > 1:
+            dist.all_reduce(packed)
+        elapsed = time.perf_counter() - t0
+        metrics = {k: float(packed[i]) / norm for i, k in enumerate(keys)}
+        grad_norm = engine.get_global_grad_norm()
+        metrics.update(
+            lr=lr,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            tokens_per_s=float(packed[-1]) / elapsed,
+        )
+        history.append({"step": step + 1, **metrics})
+        if (step + 1) % train.logging_steps == 0 or step + 1 == total_steps:
+            writer.write(step + 1, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        if train.save_steps and (step + 1) % train.save_steps == 0 and step + 1 < total_steps:
+            engine.save_checkpoint(
+                str(run_dir / STATE_DIR),
+                tag=f"step{step + 1}",
+                client_state={"step": step + 1, "torch_rng": torch.get_rng_state()},
+            )
+        _maybe_inject_fault(step + 1, rank)
+    bar.close()
+    writer.close()
+    return history
+
+
+def export_hf(eng: Engine, out_dir: Path, tokenizer, rank: int) -> None:
+    """Write the trained model (or the LoRA adapter) as an HF folder on rank 0, ZeRO-3 gathered."""
+    import deepspeed
+
+    module = eng.engine.module
+    params = list(module.parameters())
+    zero3 = eng.ds_config["zero_optimization"]["stage"] == 3
+    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else nullcontext()
+    with gather:
+        if rank == 0:
+            module.save_pretrained(str(out_dir), safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(out_dir))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def forward_logits(eng: Engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits of the engine's module on a batch (every rank must call it under ZeRO-3)."""
+    eng.engine.eval()
+    with torch.no_grad():
+        out = eng.engine(**{k: v.to(device()) for k, v in batch.items() if k != "loss_mask"}, use_cache=False)
+    return out.logits.float().cpu()

@@ -1,0 +1,36 @@
+"""Entry point of one rank: ``python -m stages.common.worker module:function JOB.json RUN_DIR``.
+
+Calls ``function(job, rank, world_size)``; rank 0's return value goes to ``RUN_DIR/result.json``;
+any exception's traceback goes to ``RUN_DIR/rank{r}.error`` for the launcher to report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+def main() -> None:
+    target, job_path, run_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        module, func = target.split(":")
+        job = json.loads(job_path.read_text())
+        result = getattr(importlib.import_module(module), func)(job, rank, world_size)
+        if rank == 0:
+            tmp = run_dir / "result.json.tmp"
+            tmp.write_text(json.dumps(result or {}))
+            tmp.replace(run_dir / "result.json")
+    except BaseException:
+        (run_dir / f"rank{rank}.error").write_text(traceback.format_exc())
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)  # skip atexit/destructors that can hang on a broken process group
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Supervised fine-tuning on DeepSpeed (ZeRO 0-3, bf16/fp32, LoRA, packing, N ranks).
+
+Loss: token-level cross-entropy over response tokens (prompt masked; every token in pretrain mode),
+summed over the global batch and divided by its number of target tokens, so the loss does not depend
+on how the batch is split into micro-batches or ranks.
+
+Run: ``python -m stages.sft recipes/sft/tiny.yaml train.world_size=2 train.zero_stage=3``
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from checkpoints import CheckpointRef, commit, config_hash, require_kind, staging, verify
+from datasets_prep.loading import DataConfig
+from datasets_prep.packing import PackedRow, check_batch_sizes, collate, loss_tokens, pack
+from datasets_prep.sft import Example, prepare_sft
+from stages.common.config import LoraConfig, TrainConfig
+from stages.common.launcher import launch
+from stages.common.logprobs import masked_sum, token_logps
+
+STAGE = "sft"
+
+
+class SFTConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Model to start from when run from the CLI: a checkpoint folder, an HF model folder, a hub id,
+    # or tiny:<preset> for the embedded tiny model. Flows pass the base checkpoint instead.
+    base: str = "tiny:tiny"
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+    lora: LoraConfig = LoraConfig()
+    output_root: str = "runs"
+
+
+def run_key(config: SFTConfig, base: CheckpointRef) -> str:
+    """What identifies this training run: the config (less where it runs and how it is watched)."""
+    cfg = config.model_dump(mode="json", exclude={"output_root", "base"})
+    for k in ("resume", "progress_bar", "logging_steps"):
+        cfg["train"].pop(k)
+    return config_hash({"config": cfg, "base": base.digest, "stage": STAGE})
+
+
+def run_sft(config: SFTConfig, base: CheckpointRef) -> CheckpointRef:
+    """Train ``base`` on ``config.data``; returns the committed checkpoint (full model or adapter)."""
+    from transformers import AutoTokenizer
+
+    verify(base)
+    require_kind(base, ("full",), "the SFT base model")
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    examples, report = prepare_sft(config.data, tokenizer)
+    items: list[Example] | list[PackedRow] = pack(examples, config.data.max_len) if config.data.packing else examples
+    check_batch_sizes(
+        config.train.train_batch_size, config.train.micro_train_batch_size, config.train.world_size, len(items),
+        where=", ".join(config.data.paths),
+    )
+    print(f"[sft] data: {report.summary()}" + (f"; packed into {len(items)} rows" if config.data.packing else ""))
+    key = run_key(config, base)
+    run_dir = Path(config.output_root) / f"{STAGE}-{key}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    items_path = run_dir / "items.json"
+    items_path.write_text(json.dumps([vars(it) for it in items]))
+    dest = run_dir / "checkpoint"
+    with staging(dest) as tmp:
+        job = {
+            "config": config.model_dump(mode="json"),
+            "base_path": base.path,
+            "items_path": str(items_path),
+            "packed": config.data.packing,
+            "export_dir": str(tmp),
+            "run_dir": str(run_dir),
+        }
+        result = launch("stages.sft:train_rank", job, config.train.world_size, run_dir)
+        return commit(
+            tmp,
+            dest,
+            stage=STAGE,
+            kind="adapter" if config.lora.enabled else "full",
+            config_hash=key,
+            parent=base,
+            base=base if config.lora.enabled else None,
+            extra={"data": vars(report), "final": result.get("final", {})},
+        )
+
+
+def sft_loss(engine, batch):
+    """Sum of next-token NLL over target tokens, and the number of those tokens."""
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+    logits = engine(**inputs, use_cache=False).logits
+    logps = token_logps(logits, batch["input_ids"])
+    return -masked_sum(logps, batch["loss_mask"]), {}
+
+
+def train_rank(job: dict, rank: int, world_size: int) -> dict:
+    """One rank's work (runs under ``stages.common.worker``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.common import trainer
+
+    config = SFTConfig.model_validate(job["config"])
+    trainer.init_distributed()
+    cls = PackedRow if job["packed"] else Example
+    items = [cls(**d) for d in json.loads(Path(job["items_path"]).read_text())]
+    tokenizer = AutoTokenizer.from_pretrained(job["base_path"])
+    steps_per_epoch = len(items) // config.train.train_batch_size
+    total = config.train.max_steps or steps_per_epoch * config.train.num_epochs
+    eng = trainer.build_engine(
+        job["base_path"],
+        config.train,
+        config.lora,
+        total,
+        lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, use_safetensors=True),
+    )
+    run_dir = Path(job["run_dir"])
+    history = trainer.fit(
+        eng,
+        items,
+        lambda its: collate(its, tokenizer.pad_token_id),
+        sft_loss,
+        loss_tokens,
+        config.train,
+        total,
+        run_dir,
+        rank,
+        world_size,
+    )
+    probe = collate(items[: config.train.micro_train_batch_size], tokenizer.pad_token_id)
+    logits = trainer.forward_logits(eng, probe)
+    trainer.export_hf(eng, Path(job["export_dir"]), tokenizer, rank)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({"logits": logits, **probe}, str(run_dir / "final_probe.safetensors"))
+    return {"final": history[-1] if history else {}, "steps": total}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from stages.common.models import resolve_model
+    from stages.common.recipe import load_config
+
+    config = load_config(SFTConfig, argv)
+    ref = run_sft(config, resolve_model(config.base, config.output_root))
+    print(ref.model_dump_json(indent=2))
+
+
+if __name__ == "__main__":
+    main()
