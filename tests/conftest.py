@@ -1,0 +1,54 @@
+"""Shared fixtures: the micro model and a small copy of the built-in task, built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="session")
+def micro_model(store):
+    """A verified `full` checkpoint of the micro preset (~0.46M params) with the task tokenizer."""
+    from stages.tiny_model import TinyModelConfig, run_tiny_model
+
+    return run_tiny_model(TinyModelConfig(preset="micro", output_root=str(store)))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(micro_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(micro_model.path)
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory) -> dict[str, Path]:
+    from datasets_prep.synthetic import write_task_files
+
+    sizes = {"sft": 256, "preference": 128, "preference_eval": 32, "rl_prompts": 128, "eval": 32}
+    return write_task_files(tmp_path_factory.mktemp("task"), seed=0, sizes=sizes)
+
+
+def no_worker_processes(under: Path | str) -> list[str]:
+    """Command lines of training ranks still alive whose run folder is under ``under``."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "stages.common.worker" in cmd and str(under) in cmd:
+            left.append(cmd)
+    return left

@@ -1,0 +1,131 @@
+"""The SFT stage end to end: real DeepSpeed ranks (gloo on CPU), real checkpoints."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoints import CheckpointError, read_manifest, verify
+from datasets_prep.loading import DataError
+from stages.common.launcher import StageFailed
+from stages.common.recipe import RecipeError, load_config
+from stages.sft import SFTConfig, run_sft
+from tests.conftest import no_worker_processes
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(task_files, out, **train) -> SFTConfig:
+    return SFTConfig.model_validate(
+        {
+            "data": {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None,
+                     "max_len": 64, "packing": True},
+            "train": {"world_size": 1, "zero_stage": 2, "dtype": "fp32", "train_batch_size": 8,
+                      "micro_train_batch_size": 4, "max_steps": 6, "lr": 3e-3, "warmup_ratio": 0.0,
+                      "progress_bar": False, **train},
+            "output_root": str(out),
+        }
+    )
+
+
+def _losses(ref) -> list[float]:
+    run_dir = Path(ref.path).parent
+    return [json.loads(ln)["loss"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_zero3_learns_and_exports_the_engine_weights(task_files, micro_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(task_files, tmp_path, world_size=2, zero_stage=3, max_steps=12, micro_train_batch_size=2)
+    ref = run_sft(cfg, micro_model)
+    verify(ref)
+    m = read_manifest(ref.path)
+    assert (m.kind, m.stage, m.parent) == ("full", "sft", micro_model.digest)
+    losses = _losses(ref)
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3  # it learned
+    run_dir = Path(ref.path).parent
+    assert (run_dir / "tensorboard").is_dir() and any((run_dir / "tensorboard").iterdir())
+    # the exported folder is the engine's model: same logits as the ZeRO-3 engine at the end
+    probe = load_file(str(run_dir / "final_probe.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"], position_ids=probe["position_ids"], use_cache=False).logits
+    assert torch.allclose(logits, probe["logits"], atol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(micro_model.path, dtype=torch.float32)
+    changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    assert len(changed) == len(list(base.parameters()))  # every parameter moved
+    assert no_worker_processes(tmp_path) == []
+
+
+def test_interrupted_then_resumed_run_matches_uninterrupted(task_files, micro_model, tmp_path, monkeypatch):
+    full = run_sft(_config(task_files, tmp_path / "a", save_steps=2), micro_model)
+    expected = _losses(full)
+    cfg = _config(task_files, tmp_path / "b", save_steps=2)
+    monkeypatch.setenv("RLHF_FAULT_STEP", "3")
+    monkeypatch.setenv("RLHF_FAULT_MODE", "exit")  # the rank dies as if killed, after step 3
+    with pytest.raises(StageFailed, match="rank 0 died with exit code 3"):
+        run_sft(cfg, micro_model)
+    monkeypatch.delenv("RLHF_FAULT_STEP")
+    run_dir = next((tmp_path / "b").glob("sft-*"))
+    assert not (run_dir / "checkpoint").exists()
+    resumed = run_sft(cfg.model_copy(update={"train": cfg.train.model_copy(update={"resume": True})}), micro_model)
+    got = _losses(resumed)
+    assert len(got) == len(expected) == 6
+    assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-6
+    assert resumed.digest == full.digest or torch.allclose(
+        load_file(str(Path(resumed.path) / "model.safetensors"))["lm_head.weight"],
+        load_file(str(Path(full.path) / "model.safetensors"))["lm_head.weight"], atol=1e-6,
+    )
+
+
+def test_failing_rank_surfaces_its_traceback_and_leaves_no_process(task_files, micro_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_FAULT_STEP", "1")
+    monkeypatch.setenv("RLHF_FAULT_RANK", "1")
+    with pytest.raises(StageFailed, match=r"(?s)rank 1 failed:.*RuntimeError: injected fault at step 1 on rank 1"):
+        run_sft(_config(task_files, tmp_path, world_size=2, micro_train_batch_size=2), micro_model)
+    assert no_worker_processes(tmp_path) == []
+    assert not list(tmp_path.glob("sft-*/checkpoint"))
+    assert not list(tmp_path.glob("sft-*/.checkpoint.partial-*"))
+
+
+def test_lora_saves_an_adapter_for_its_base(task_files, micro_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(task_files, tmp_path, max_steps=3, lr=1e-2)
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"rank": 4, "alpha": 8})})
+    ref = run_sft(cfg, micro_model)
+    m = read_manifest(ref.path)
+    assert (m.kind, m.base, m.parent) == ("adapter", micro_model.digest, micro_model.digest)
+    assert "adapter_model.safetensors" in m.files and "model.safetensors" not in m.files
+    base = AutoModelForCausalLM.from_pretrained(micro_model.path, dtype=torch.float32)
+    ids = torch.tensor([[1, 4, 22, 16, 23, 2, 5]])
+    before = base(input_ids=ids).logits
+    adapted = PeftModel.from_pretrained(base, ref.path)
+    assert not torch.allclose(adapted(input_ids=ids).logits, before)  # the adapter learned something
+
+
+def test_bad_input_stops_before_any_rank_starts(task_files, micro_model, tmp_path):
+    with pytest.raises(ValueError, match=r"train_batch_size: 10 is not divisible by micro_train_batch_size \(4\) x world_size \(1\)"):
+        _config(task_files, tmp_path, train_batch_size=10)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  paths: [x.jsonl]\ntrain:\n  learning_rate: 0.1\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: invalid config.*\n  train.learning_rate: unknown key \(value 0.1\)"):
+        load_config(SFTConfig, [str(recipe)])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n{"text": "x"}\n')
+    cfg = _config({"sft": bad}, tmp_path)
+    with pytest.raises(DataError, match=r"bad.jsonl row 2: key 'messages' missing \(input_key='messages'"):
+        run_sft(cfg, micro_model)
+    small = _config(task_files, tmp_path, train_batch_size=4096, micro_train_batch_size=4)
+    with pytest.raises(ValueError, match=r"fewer than train_batch_size=4096"):
+        run_sft(small, micro_model)
+    with pytest.raises(CheckpointError, match="not a model folder"):
+        from stages.common.models import resolve_model
+
+        resolve_model(str(task_files["sft"].parent), str(tmp_path))
+    assert not list(tmp_path.glob("sft-*"))  # nothing was launched or written

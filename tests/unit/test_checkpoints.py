@@ -1,0 +1,144 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import CheckpointError, commit, import_pretrained, load_ref, require_kind, staging, verify
+from checkpoints.store import MANIFEST, content_digest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _save(dest: Path, tensors: dict[str, torch.Tensor], **kw):
+    with staging(dest) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        return commit(tmp, dest, stage=kw.pop("stage", "test"), kind=kw.pop("kind", "full"), config_hash="c0ffee", **kw)
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(7, 5, generator=g), "b": torch.randn(5, generator=g).bfloat16()}
+    ref = _save(tmp_path / "ck", tensors)
+    m = verify(ref)
+    assert set(m.files) == {"model.safetensors", "config.json"}
+    back = load_file(str(Path(ref.path) / "model.safetensors"))
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8), v.view(torch.uint8))
+    assert load_ref(ref.path) == ref
+    assert ref.digest == content_digest(m.files)
+    # identical content gives the identical digest; a different tensor a different one
+    assert _save(tmp_path / "ck2", tensors).digest == ref.digest
+    assert _save(tmp_path / "ck3", {**tensors, "w": tensors["w"] + 1}).digest != ref.digest
+
+
+@pytest.mark.parametrize("damage", ["alter", "truncate", "delete", "add", "manifest"])
+def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+    ref = _save(tmp_path / "ck", {"w": torch.ones(64)})
+    target = Path(ref.path) / "model.safetensors"
+    if damage == "alter":
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0xFF
+        target.write_bytes(bytes(data))
+        expected = "model.safetensors: sha256 differs"
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-10])
+        expected = "model.safetensors: size"
+    elif damage == "delete":
+        target.unlink()
+        expected = "model.safetensors: file listed in the manifest is missing"
+    elif damage == "add":
+        (Path(ref.path) / "extra.safetensors").write_bytes(b"x")
+        expected = "extra.safetensors: file not in the manifest"
+    else:
+        (Path(ref.path) / MANIFEST).unlink()
+        expected = "no manifest.json"
+    with pytest.raises(CheckpointError, match=expected):
+        verify(ref)
+
+
+def test_ref_to_replaced_content_is_refused(tmp_path):
+    ref = _save(tmp_path / "ck", {"w": torch.ones(4)})
+    _save(tmp_path / "ck", {"w": torch.zeros(4)})  # same folder, new content
+    with pytest.raises(CheckpointError, match="but the reference expects"):
+        verify(ref)
+
+
+def test_error_in_save_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with staging(tmp_path / "ck") as tmp:
+            save_file({"w": torch.ones(3)}, str(tmp / "model.safetensors"))
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_save_leaves_no_complete_looking_folder(tmp_path):
+    """SIGKILL a process in the middle of writing a large checkpoint: the final name never appears."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from safetensors.torch import save_file
+        from checkpoints import commit, staging
+        with staging(Path({str(tmp_path)!r}) / "ck") as tmp:
+            for i in range(200):
+                save_file({{"w": torch.randn(256, 256)}}, str(tmp / f"shard-{{i:03d}}.safetensors"))
+                if i == 3:
+                    print("writing", flush=True)
+            commit(tmp, Path({str(tmp_path)!r}) / "ck", stage="t", kind="full", config_hash="x")
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "ck").exists()
+    leftovers = list(tmp_path.iterdir())
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".ck.partial-")
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        verify(leftovers[0])
+
+
+def test_pickles_are_never_committed(tmp_path):
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: pickle-format file"):
+        with staging(tmp_path / "ck") as tmp:
+            torch.save({"w": torch.ones(2)}, tmp / "pytorch_model.bin")
+            commit(tmp, tmp_path / "ck", stage="t", kind="full", config_hash="x")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_import_local_hf_folder_and_refuse_non_models(tmp_path, micro_model):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for p in Path(micro_model.path).iterdir():
+        if p.name != MANIFEST:
+            (plain / p.name).write_bytes(p.read_bytes())
+    ref = import_pretrained(plain, tmp_path / "store")
+    assert ref.stage == "import" and ref.kind == "full"
+    assert ref.digest == micro_model.digest  # same files, same content digest
+    assert import_pretrained(ref.path, tmp_path / "store") == ref  # a checkpoint folder is used as it is
+    with pytest.raises(CheckpointError, match="not a model folder \\(no config.json\\)"):
+        import_pretrained(tmp_path / "store", tmp_path / "store2")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text("{}")
+    (pickled / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="found only pickle weights: pytorch_model.bin"):
+        import_pretrained(pickled, tmp_path / "store")
+    with pytest.raises(CheckpointError, match="no-such-org/no-such-model: neither a local folder nor a reachable hub model"):
+        import_pretrained("no-such-org/no-such-model", tmp_path / "store")
+
+
+def test_require_kind_names_the_mismatch(tmp_path):
+    ref = _save(tmp_path / "rm", {"w": torch.ones(2)}, kind="reward", stage="reward_model")
+    with pytest.raises(CheckpointError, match="a 'reward' checkpoint \\(from stage 'reward_model'\\) was given as the policy"):
+        require_kind(ref, ("full",), "the policy")
+    require_kind(ref, ("reward",), "the reward model")  # the right kind passes
