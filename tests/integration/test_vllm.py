@@ -1,0 +1,58 @@
+"""vLLM (the CPU build here) loads the stages' checkpoints and agrees with transformers on them."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.common.launcher import launch
+from stages.common.logprobs import token_logps
+from stages.eval import EvalConfig, run_eval
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def trained(task_files, micro_model, tmp_path_factory):
+    """A micro model after a short SFT, so its distributions are far from uniform."""
+    from stages.sft import SFTConfig, run_sft
+
+    cfg = SFTConfig.model_validate({
+        "data": {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None, "max_len": 64, "packing": True},
+        "train": {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 8, "max_steps": 20, "lr": 5e-3, "progress_bar": False},
+        "output_root": str(tmp_path_factory.mktemp("runs")),
+    })
+    return run_sft(cfg, micro_model)
+
+
+def test_vllm_logprobs_match_transformers_on_the_sft_output(trained, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True)["input_ids"]
+               for p in ("3+4", "12+9", "50+50")]
+    out = launch("stages.common.generation:probe_rank", {"model": trained.path, "prompts": prompts, "dtype": "float32"}, 1, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(trained.path, dtype=torch.float32).eval()
+    for seq, vllm_lps, comp, comp_lps in zip(out["sequences"], out["sequence_logprobs"], out["completions"], out["completion_logprobs"]):
+        with torch.no_grad():
+            hf = token_logps(model(input_ids=torch.tensor([seq])).logits, torch.tensor([seq]))[0, 1:]
+        assert torch.allclose(hf, torch.tensor(vllm_lps), atol=2e-3), (hf, vllm_lps)
+        # the sampled tokens' log-probs from generation agree with the scoring pass
+        assert torch.allclose(torch.tensor(comp_lps), hf[-len(comp):], atol=2e-3)
+        # greedy: each generated token is the transformers argmax at its position
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0]
+        start = len(seq) - len(comp)
+        assert logits[start - 1 : len(seq) - 1].argmax(-1).tolist() == comp
+
+
+def test_eval_stage_reports_accuracy_and_length(trained, micro_model, task_files, tmp_path):
+    cfg = EvalConfig.model_validate({
+        "data": {"paths": [str(task_files["eval"])], "prompt_key": "prompt", "label_key": "answer"},
+        "max_new_tokens": 8, "output_root": str(tmp_path),
+    })
+    res = run_eval(cfg, micro_model, trained)
+    base, sft = res[f"tiny_model:{micro_model.digest[:8]}"], res[f"sft:{trained.digest[:8]}"]
+    assert base["n"] == sft["n"] == 32
+    assert base["accuracy"] == 0.0  # random init
+    assert 0.0 <= sft["accuracy"] <= 1.0
+    assert sft["response_length"] < 6.0  # the SFT model learned to end its turn after a short answer
