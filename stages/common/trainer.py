@@ -212,7 +212,8 @@ def fit(
         metrics.update(
             lr=lr,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            tokens_per_s=float(packed[-1]) / elapsed,
+            tokens_per_s=float(packed[-1]) / elapsed,  # positions processed, padding included
+            step_time_s=elapsed,
         )
         history.append({"step": step + 1, **metrics})
         if (step + 1) % train.logging_steps == 0 or step + 1 == total_steps:

@@ -36,17 +36,26 @@ def _losses(ref) -> list[float]:
     return [json.loads(ln)["loss"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_zero3_learns_and_exports_the_engine_weights(task_files, micro_model, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank_run(task_files, micro_model, tmp_path_factory):
+    """The reference: 6 steps on one rank, 2 accumulation steps of 4 packed rows, in-stage saves."""
+    return run_sft(_config(task_files, tmp_path_factory.mktemp("one"), save_steps=2), micro_model)
+
+
+def test_two_ranks_zero3_learns_and_exports_the_engine_weights(task_files, micro_model, one_rank_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(task_files, tmp_path, world_size=2, zero_stage=3, max_steps=12, micro_train_batch_size=2)
+    cfg = _config(task_files, tmp_path, world_size=2, zero_stage=3, micro_train_batch_size=2)
     ref = run_sft(cfg, micro_model)
     verify(ref)
     m = read_manifest(ref.path)
     assert (m.kind, m.stage, m.parent) == ("full", "sft", micro_model.digest)
     losses = _losses(ref)
-    assert len(losses) == 12
-    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3  # it learned
+    assert len(losses) == 6
+    assert sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2  # it learned
+    # the same global batches split over 2 ranks x 2 micro-batches (ZeRO-3) instead of 1 rank x 2
+    # micro-batches (ZeRO-2): the same per-step losses, up to float summation order
+    assert max(abs(a - b) for a, b in zip(losses, _losses(one_rank_run))) < 1e-5
     run_dir = Path(ref.path).parent
     assert (run_dir / "tensorboard").is_dir() and any((run_dir / "tensorboard").iterdir())
     # the exported folder is the engine's model: same logits as the ZeRO-3 engine at the end
@@ -61,25 +70,23 @@ def test_two_ranks_zero3_learns_and_exports_the_engine_weights(task_files, micro
     assert no_worker_processes(tmp_path) == []
 
 
-def test_interrupted_then_resumed_run_matches_uninterrupted(task_files, micro_model, tmp_path, monkeypatch):
-    full = run_sft(_config(task_files, tmp_path / "a", save_steps=2), micro_model)
-    expected = _losses(full)
-    cfg = _config(task_files, tmp_path / "b", save_steps=2)
+def test_interrupted_then_resumed_run_matches_uninterrupted(task_files, micro_model, one_rank_run, tmp_path, monkeypatch):
+    expected = _losses(one_rank_run)
+    cfg = _config(task_files, tmp_path, save_steps=2)
     monkeypatch.setenv("RLHF_FAULT_STEP", "3")
     monkeypatch.setenv("RLHF_FAULT_MODE", "exit")  # the rank dies as if killed, after step 3
     with pytest.raises(StageFailed, match="rank 0 died with exit code 3"):
         run_sft(cfg, micro_model)
     monkeypatch.delenv("RLHF_FAULT_STEP")
-    run_dir = next((tmp_path / "b").glob("sft-*"))
+    run_dir = next(tmp_path.glob("sft-*"))
     assert not (run_dir / "checkpoint").exists()
     resumed = run_sft(cfg.model_copy(update={"train": cfg.train.model_copy(update={"resume": True})}), micro_model)
     got = _losses(resumed)
     assert len(got) == len(expected) == 6
     assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-6
-    assert resumed.digest == full.digest or torch.allclose(
-        load_file(str(Path(resumed.path) / "model.safetensors"))["lm_head.weight"],
-        load_file(str(Path(full.path) / "model.safetensors"))["lm_head.weight"], atol=1e-6,
-    )
+    final = load_file(str(Path(resumed.path) / "model.safetensors"))
+    reference = load_file(str(Path(one_rank_run.path) / "model.safetensors"))
+    assert max((final[k] - reference[k]).abs().max().item() for k in reference) < 1e-6
 
 
 def test_failing_rank_surfaces_its_traceback_and_leaves_no_process(task_files, micro_model, tmp_path, monkeypatch):
@@ -92,11 +99,12 @@ def test_failing_rank_surfaces_its_traceback_and_leaves_no_process(task_files, m
     assert not list(tmp_path.glob("sft-*/.checkpoint.partial-*"))
 
 
-def test_lora_saves_an_adapter_for_its_base(task_files, micro_model, tmp_path):
+def test_lora_with_gradient_checkpointing_saves_an_adapter_for_its_base(task_files, micro_model, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(task_files, tmp_path, max_steps=3, lr=1e-2)
+    # with gradient checkpointing, which LoRA needs input gradients for
+    cfg = _config(task_files, tmp_path, max_steps=3, lr=1e-2, gradient_checkpointing=True)
     cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"rank": 4, "alpha": 8})})
     ref = run_sft(cfg, micro_model)
     m = read_manifest(ref.path)

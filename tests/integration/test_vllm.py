@@ -1,6 +1,5 @@
 """vLLM (the CPU build here) loads the stages' checkpoints and agrees with transformers on them."""
 
-from pathlib import Path
 
 import pytest
 import torch
