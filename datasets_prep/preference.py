@@ -27,6 +27,9 @@ class PairExample:
     chosen_ids: list[int]
     rejected_ids: list[int]
     margin: float = 0.0
+    # summed response log-probs under the reference model, when precomputed (DPO)
+    ref_chosen: float | None = None
+    ref_rejected: float | None = None
 
 
 @dataclass
@@ -110,6 +113,10 @@ def pack_pairs(pairs: Sequence[PairExample], max_len: int) -> list[PackedPairs]:
     return rows
 
 
+def pairs_of(items: Sequence[PairExample | PackedPairs]) -> list[PairExample]:
+    return [p for it in items for p in (it.pairs if isinstance(it, PackedPairs) else [it])]
+
+
 def num_pairs(item: PairExample | PackedPairs) -> int:
     return len(item.pairs) if isinstance(item, PackedPairs) else 1
 
@@ -121,7 +128,7 @@ def collate_pairs(items: Sequence[PairExample | PackedPairs], pad_id: int) -> di
     (response tokens), segment_ids [R, T] (sequence index, -1 on padding), last_index [2N] (flat
     index of each sequence's last token; chosen 0..N-1, then rejected), margin [N].
     """
-    pairs = [p for it in items for p in (it.pairs if isinstance(it, PackedPairs) else [it])]
+    pairs = pairs_of(items)
     n = len(pairs)
     packed = isinstance(items[0], PackedPairs)
     # (row, tokens, response mask, sequence index) for every sequence
@@ -171,6 +178,9 @@ def collate_pairs(items: Sequence[PairExample | PackedPairs], pad_id: int) -> di
     }
     if not packed:
         batch["attention_mask"] = (seg >= 0).long()
+    if all(p.ref_chosen is not None for p in pairs):
+        batch["ref_chosen"] = torch.tensor([p.ref_chosen for p in pairs], dtype=torch.float32)
+        batch["ref_rejected"] = torch.tensor([p.ref_rejected for p in pairs], dtype=torch.float32)
     return batch
 
 

@@ -33,24 +33,17 @@ def make_problem(rng: random.Random) -> tuple[str, str]:
 
 
 def wrong_answer(answer: str, rng: random.Random) -> str:
-    """A plausible mistake: one digit off, a dropped carry, or a swapped pair."""
+    """A wrong sum: a near miss (one digit off by one) a quarter of the time, else any other number in
+    the range of possible sums. Most wrong answers then differ in the units digit, which a reward
+    model can learn to check; the near misses keep some pairs hard."""
     n = int(answer)
-    for _ in range(20):
-        kind = rng.randrange(3)
-        if kind == 0:
-            cand = n + rng.choice([-1, 1]) * 10 ** rng.randrange(len(answer))
-        elif kind == 1:
-            cand = n - 10 ** rng.randrange(1, len(answer) + 1)
-        else:
-            digits = list(answer)
-            if len(digits) < 2:
-                continue
-            i = rng.randrange(len(digits) - 1)
-            digits[i], digits[i + 1] = digits[i + 1], digits[i]
-            cand = int("".join(digits))
-        if cand >= 0 and cand != n:
+    if rng.random() < 0.25:
+        cand = n + rng.choice([-1, 1]) * 10 ** rng.randrange(len(answer))
+        if cand >= 0:
             return str(cand)
-    return str(n + 1)
+    top = 2 * (10**MAX_DIGITS - 1)
+    cand = rng.randrange(0, top)
+    return str(cand if cand != n else top)
 
 
 def extract_answer(response: str) -> str | None:

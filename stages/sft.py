@@ -9,18 +9,17 @@ Run: ``python -m stages.sft recipes/sft/tiny.yaml train.world_size=2 train.zero_
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from checkpoints import CheckpointRef, commit, config_hash, require_kind, staging, verify
+from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
 from datasets_prep.packing import PackedRow, check_batch_sizes, collate, loss_tokens, pack
 from datasets_prep.sft import Example, prepare_sft
 from stages.common.config import LoraConfig, TrainConfig
-from stages.common.launcher import launch
 from stages.common.logprobs import masked_sum, token_logps
+from stages.common.stage_run import read_items, total_steps, train_and_commit
 
 STAGE = "sft"
 
@@ -37,14 +36,6 @@ class SFTConfig(BaseModel):
     output_root: str = "runs"
 
 
-def run_key(config: SFTConfig, base: CheckpointRef) -> str:
-    """What identifies this training run: the config (less where it runs and how it is watched)."""
-    cfg = config.model_dump(mode="json", exclude={"output_root", "base"})
-    for k in ("resume", "progress_bar", "logging_steps"):
-        cfg["train"].pop(k)
-    return config_hash({"config": cfg, "base": base.digest, "stage": STAGE})
-
-
 def run_sft(config: SFTConfig, base: CheckpointRef) -> CheckpointRef:
     """Train ``base`` on ``config.data``; returns the committed checkpoint (full model or adapter)."""
     from transformers import AutoTokenizer
@@ -59,32 +50,17 @@ def run_sft(config: SFTConfig, base: CheckpointRef) -> CheckpointRef:
         where=", ".join(config.data.paths),
     )
     print(f"[sft] data: {report.summary()}" + (f"; packed into {len(items)} rows" if config.data.packing else ""))
-    key = run_key(config, base)
-    run_dir = Path(config.output_root) / f"{STAGE}-{key}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    items_path = run_dir / "items.json"
-    items_path.write_text(json.dumps([vars(it) for it in items]))
-    dest = run_dir / "checkpoint"
-    with staging(dest) as tmp:
-        job = {
-            "config": config.model_dump(mode="json"),
-            "base_path": base.path,
-            "items_path": str(items_path),
-            "packed": config.data.packing,
-            "export_dir": str(tmp),
-            "run_dir": str(run_dir),
-        }
-        result = launch("stages.sft:train_rank", job, config.train.world_size, run_dir)
-        return commit(
-            tmp,
-            dest,
-            stage=STAGE,
-            kind="adapter" if config.lora.enabled else "full",
-            config_hash=key,
-            parent=base,
-            base=base if config.lora.enabled else None,
-            extra={"data": vars(report), "final": result.get("final", {})},
-        )
+    return train_and_commit(
+        stage=STAGE,
+        config=config,
+        inputs=[base],
+        items=items,
+        job={"base_path": base.path, "packed": config.data.packing},
+        kind="adapter" if config.lora.enabled else "full",
+        parent=base,
+        base=base if config.lora.enabled else None,
+        extra={"data": vars(report)},
+    )
 
 
 def sft_loss(engine, batch):
@@ -105,10 +81,9 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
     config = SFTConfig.model_validate(job["config"])
     trainer.init_distributed()
     cls = PackedRow if job["packed"] else Example
-    items = [cls(**d) for d in json.loads(Path(job["items_path"]).read_text())]
+    items = [cls(**d) for d in read_items(job)]
     tokenizer = AutoTokenizer.from_pretrained(job["base_path"])
-    steps_per_epoch = len(items) // config.train.train_batch_size
-    total = config.train.max_steps or steps_per_epoch * config.train.num_epochs
+    total = total_steps(config.train, len(items))
     eng = trainer.build_engine(
         job["base_path"],
         config.train,

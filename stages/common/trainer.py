@@ -168,8 +168,14 @@ def fit(
     run_dir: Path,
     rank: int,
     world_size: int,
+    evaluate: Callable[[], dict[str, float]] | None = None,
+    eval_steps: int = 0,
 ) -> list[dict[str, float]]:
-    """The step loop. Returns the per-step metrics (on every rank)."""
+    """The step loop. Returns the per-step metrics (on every rank).
+
+    ``evaluate`` (called on every rank, in eval mode, every ``eval_steps`` and after the last step)
+    returns held-out metrics, logged with an ``eval_`` prefix.
+    """
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -215,6 +221,11 @@ def fit(
             tokens_per_s=float(packed[-1]) / elapsed,  # positions processed, padding included
             step_time_s=elapsed,
         )
+        if evaluate is not None and ((eval_steps and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
+            engine.eval()
+            with torch.no_grad():
+                metrics.update({f"eval_{k}": v for k, v in evaluate().items()})
+            engine.train()
         history.append({"step": step + 1, **metrics})
         if (step + 1) % train.logging_steps == 0 or step + 1 == total_steps:
             writer.write(step + 1, metrics)

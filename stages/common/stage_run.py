@@ -1,0 +1,78 @@
+"""The parent-process side of a training stage: run folder, launch the ranks, commit the output.
+
+Every training stage (SFT, RM, DPO) validates and tokenizes its data in the caller's process, so bad
+input fails before any rank starts, then calls :func:`train_and_commit`. The ranks write the model
+into a staging folder; only a fully successful run is committed under ``RUN_DIR/checkpoint``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from checkpoints import CheckpointRef, commit, config_hash, staging
+from checkpoints.store import CheckpointKind
+from stages.common.launcher import launch
+
+# Settings that change how a run is watched or continued, not what it computes.
+_NOT_IN_KEY = ("resume", "progress_bar", "logging_steps")
+
+
+def run_key(stage: str, config: BaseModel, *inputs: CheckpointRef | None) -> str:
+    """What identifies a training run: the stage, its config (less paths and watching) and its inputs."""
+    cfg = config.model_dump(mode="json", exclude={"output_root", "base", "reference"})
+    for k in _NOT_IN_KEY:
+        cfg.get("train", {}).pop(k, None)
+    return config_hash({"stage": stage, "config": cfg, "inputs": [r.digest if r else None for r in inputs]})
+
+
+def total_steps(train, num_items: int) -> int:
+    return train.max_steps or (num_items // train.train_batch_size) * train.num_epochs
+
+
+def train_and_commit(
+    *,
+    stage: str,
+    config: BaseModel,
+    inputs: list[CheckpointRef | None],
+    items: list[Any],
+    job: dict[str, Any],
+    kind: CheckpointKind,
+    parent: CheckpointRef,
+    base: CheckpointRef | None,
+    extra: dict[str, Any],
+) -> CheckpointRef:
+    """Launch ``stages.<stage>:train_rank`` on ``config.train.world_size`` ranks and commit its output."""
+    key = run_key(stage, config, *inputs)
+    run_dir = Path(config.output_root) / f"{stage}-{key}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    items_path = run_dir / "items.json"
+    items_path.write_text(json.dumps([dataclasses.asdict(it) for it in items]))
+    dest = run_dir / "checkpoint"
+    with staging(dest) as tmp:
+        full_job = {
+            "config": config.model_dump(mode="json"),
+            "items_path": str(items_path),
+            "export_dir": str(tmp),
+            "run_dir": str(run_dir),
+            **job,
+        }
+        result = launch(f"stages.{stage}:train_rank", full_job, config.train.world_size, run_dir)
+        return commit(
+            tmp,
+            dest,
+            stage=stage,
+            kind=kind,
+            config_hash=key,
+            parent=parent,
+            base=base,
+            extra={**extra, **result},
+        )
+
+
+def read_items(job: dict) -> list[dict]:
+    return json.loads(Path(job["items_path"]).read_text())

@@ -1,0 +1,86 @@
+"""LoRA merge: base + adapter -> a full checkpoint (causal LM or reward model).
+
+The adapter's manifest names the digest of the base it was trained on; merging onto any other
+checkpoint is refused before anything is loaded. The merged model (``peft``'s ``merge_and_unload``)
+is saved in the base's dtype with the base's tokenizer; its kind is the base's (``full`` or
+``reward``).
+
+Run: ``python -m stages.lora_merge adapter=runs/sft-<key>/checkpoint base=runs/tiny_model-.../``
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from checkpoints import (
+    CheckpointError,
+    CheckpointRef,
+    commit,
+    config_hash,
+    read_manifest,
+    require_kind,
+    staging,
+    verify,
+)
+
+STAGE = "lora_merge"
+
+
+class LoraMergeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    adapter: str = ""  # from the CLI; flows pass references
+    base: str = ""
+    output_root: str = "runs"
+
+
+def run_lora_merge(config: LoraMergeConfig, adapter: CheckpointRef, base: CheckpointRef) -> CheckpointRef:
+    verify(adapter)
+    verify(base)
+    require_kind(adapter, ("adapter",), "the adapter to merge")
+    require_kind(base, ("full",), "the base to merge onto")
+    if adapter.base != base.digest:
+        raise CheckpointError(
+            f"{adapter.path}: adapter was trained on base {str(adapter.base)[:12]}, "
+            f"but the given base {base.path} is {base.digest[:12]}; merge it onto the base it names"
+        )
+    manifest = read_manifest(adapter.path)
+    head = manifest.stage == "reward_model"
+    key = config_hash({"stage": STAGE, "adapter": adapter.digest, "base": base.digest})
+    dest = Path(config.output_root) / f"{STAGE}-{key}" / "checkpoint"
+    with staging(dest) as tmp:
+        merge_to(adapter.path, base.path, tmp, reward=head, reward_stats=manifest.extra.get("reward_stats") or {})
+        return commit(
+            tmp, dest, stage=STAGE, kind="reward" if head else "full", config_hash=key, parent=adapter,
+            extra={"base": base.digest},
+        )
+
+
+def merge_to(adapter_path: str, base_path: str, out: Path, reward: bool, reward_stats: dict) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    if reward:
+        model = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=1, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter_path).merge_and_unload()
+    # the reward model's normalisation stats travel in the adapter's manifest
+    merged.config.update({k: v for k, v in reward_stats.items() if k.startswith("reward_")})
+    merged.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(str(out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from checkpoints import load_ref
+    from stages.common.recipe import load_config
+
+    config = load_config(LoraMergeConfig, argv)
+    print(run_lora_merge(config, load_ref(config.adapter), load_ref(config.base)).model_dump_json(indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Reward model: a causal-LM backbone with a scalar head ``score``, trained on preference pairs.
+
+The model is ``AutoModelForSequenceClassification`` with ``num_labels=1`` (for Llama,
+``LlamaForSequenceClassification``: the backbone under ``.model``, a bias-free linear ``score``), so
+the saved folder loads in any tool with no newly initialised weights. The score of a sequence is
+the head's output at its last token (for padded batches: the last non-padding token; left and right
+padding give the same score because position ids follow the attention mask). Chosen and rejected
+sequences go through one forward pass.
+
+Losses (``stages.common.preference_losses``): ``sigmoid`` -log sigmoid(r_w - r_l - margin) and
+``logexp``. After training, the mean and std of the rewards on the eval pairs are stored in the
+checkpoint (``config.json``: ``reward_mean``, ``reward_std``; and the manifest) for RL to normalise.
+
+Run: ``python -m stages.reward_model recipes/reward_model/tiny.yaml``
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from checkpoints import CheckpointRef, require_kind, verify
+from datasets_prep.loading import DataConfig
+from datasets_prep.packing import check_batch_sizes
+from datasets_prep.preference import (
+    PackedPairs,
+    PairExample,
+    collate_pairs,
+    num_pairs,
+    pack_pairs,
+    prepare_pairs,
+)
+from stages.common.config import LoraConfig, TrainConfig
+from stages.common.preference_losses import RewardPair, reward_loss
+from stages.common.stage_run import read_items, total_steps, train_and_commit
+
+STAGE = "reward_model"
+
+
+class RewardModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base: str = "tiny:tiny"  # from the CLI; flows pass the starting checkpoint (usually the SFT output)
+    data: DataConfig
+    eval_data: DataConfig | None = None
+    loss: Literal["sigmoid", "logexp"] = "sigmoid"
+    eval_steps: int = 50
+    train: TrainConfig = TrainConfig()
+    lora: LoraConfig = LoraConfig()
+    output_root: str = "runs"
+
+
+def run_reward_model(config: RewardModelConfig, base: CheckpointRef) -> CheckpointRef:
+    """Train a reward model from ``base`` (a causal LM); returns a ``reward`` (or ``adapter``) checkpoint."""
+    from transformers import AutoTokenizer
+
+    verify(base)
+    require_kind(base, ("full",), "the reward model's starting model")
+    reward_loss(config.loss)
+    tokenizer = AutoTokenizer.from_pretrained(base.path)
+    pairs, report = prepare_pairs(config.data, tokenizer)
+    eval_pairs = prepare_pairs(config.eval_data, tokenizer)[0] if config.eval_data else []
+    items = pack_pairs(pairs, config.data.max_len) if config.data.packing else pairs
+    check_batch_sizes(
+        config.train.train_batch_size, config.train.micro_train_batch_size, config.train.world_size, len(items),
+        where=", ".join(config.data.paths),
+    )
+    print(f"[reward_model] data: {report.summary()}; {len(eval_pairs)} eval pairs")
+    return train_and_commit(
+        stage=STAGE,
+        config=config,
+        inputs=[base],
+        items=items,
+        job={"base_path": base.path, "packed": config.data.packing, "eval_pairs": [vars(p) for p in eval_pairs]},
+        kind="adapter" if config.lora.enabled else "reward",
+        parent=base,
+        base=base if config.lora.enabled else None,
+        extra={"data": vars(report)},
+    )
+
+
+def backbone_and_head(module):
+    """The transformer body and the ``score`` head of a (possibly peft-wrapped) sequence classifier."""
+    model = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return getattr(model, model.base_model_prefix), model.score
+
+
+def sequence_scores(module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The head's output at each sequence's last token: [number of sequences]."""
+    body, head = backbone_and_head(module)
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+    hidden = body(**inputs, use_cache=False).last_hidden_state
+    values = head(hidden).squeeze(-1).float()
+    return values.flatten()[batch["last_index"]]
+
+
+def score_padded(module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scores [B] of a left- or right-padded batch: positions follow the mask, read at the last real token."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    width = attention_mask.shape[1]
+    last = width - 1 - attention_mask.flip(-1).argmax(-1)
+    batch = {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "attention_mask": attention_mask,
+        "last_index": torch.arange(input_ids.shape[0], device=input_ids.device) * width + last,
+    }
+    return sequence_scores(module, batch)
+
+
+def pair_rewards(module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = sequence_scores(module, batch)
+    n = batch["margin"].numel()
+    return scores[:n], scores[n:]
+
+
+def load_reward_backbone(path: str):
+    """A causal-LM (or reward) folder as a 1-label sequence classifier; `score` is new for a causal LM."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    cfg = AutoConfig.from_pretrained(path)
+    if cfg.pad_token_id is None:
+        raise ValueError(f"{path}: config has no pad_token_id; the reward model needs one to find the last token")
+    return AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, use_safetensors=True
+    )
+
+
+def train_rank(job: dict, rank: int, world_size: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from stages.common import trainer
+
+    config = RewardModelConfig.model_validate(job["config"])
+    trainer.init_distributed()
+    items = [
+        PackedPairs([PairExample(**p) for p in d["pairs"]]) if job["packed"] else PairExample(**d) for d in read_items(job)
+    ]
+    eval_pairs = [PairExample(**p) for p in job["eval_pairs"]]
+    tokenizer = AutoTokenizer.from_pretrained(job["base_path"])
+    pad = tokenizer.pad_token_id
+    total = total_steps(config.train, len(items))
+    eng = trainer.build_engine(job["base_path"], config.train, config.lora, total, load_reward_backbone)
+    loss_of = reward_loss(config.loss)
+    dev = trainer.device()
+
+    def loss_fn(engine, batch):
+        chosen, rejected = pair_rewards(engine.module, batch)
+        losses = loss_of(RewardPair(chosen, rejected, batch["margin"]))
+        return losses.sum(), {
+            "accuracy": (chosen > rejected).float().sum(),
+            "chosen_reward": chosen.detach().sum(),
+            "rejected_reward": rejected.detach().sum(),
+        }
+
+    def score_eval() -> tuple[torch.Tensor, torch.Tensor]:
+        chosen, rejected = [], []
+        for i in range(0, len(eval_pairs), config.train.micro_train_batch_size):
+            batch = {k: v.to(dev) for k, v in collate_pairs(eval_pairs[i : i + config.train.micro_train_batch_size], pad).items()}
+            c, r = pair_rewards(eng.engine.module, batch)
+            chosen.append(c.cpu())
+            rejected.append(r.cpu())
+        return torch.cat(chosen), torch.cat(rejected)
+
+    def evaluate() -> dict[str, float]:
+        c, r = score_eval()
+        return {"accuracy": (c > r).float().mean().item(), "chosen_reward": c.mean().item(), "rejected_reward": r.mean().item()}
+
+    history = trainer.fit(
+        eng, items, lambda its: collate_pairs(its, pad), loss_fn, num_pairs, config.train, total,
+        Path(job["run_dir"]), rank, world_size, evaluate=evaluate if eval_pairs else None, eval_steps=config.eval_steps,
+    )
+    stats = {}
+    if eval_pairs:
+        eng.engine.eval()
+        with torch.no_grad():
+            c, r = score_eval()
+        allr = torch.cat([c, r])
+        stats = {"reward_mean": allr.mean().item(), "reward_std": allr.std().item(), "eval_accuracy": (c > r).float().mean().item()}
+    model = eng.engine.module.get_base_model() if eng.is_peft else eng.engine.module
+    model.config.update({k: v for k, v in stats.items() if k.startswith("reward_")})
+    trainer.export_hf(eng, Path(job["export_dir"]), tokenizer, rank)
+    return {"final": history[-1] if history else {}, "steps": total, "reward_stats": stats}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from stages.common.models import resolve_model
+    from stages.common.recipe import load_config
+
+    config = load_config(RewardModelConfig, argv)
+    ref = run_reward_model(config, resolve_model(config.base, config.output_root))
+    print(ref.model_dump_json(indent=2))
+
+
+if __name__ == "__main__":
+    main()
