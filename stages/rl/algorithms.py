@@ -1,0 +1,240 @@
+"""RL math: advantage estimators, KL estimators and policy losses, as pure functions in registries.
+
+One signature per family, so the driver never special-cases an algorithm:
+
+- advantage estimators: ``(AdvantageInput) -> (advantages [B, T], returns [B, T])``
+- KL estimators: ``(logp [B, T], ref_logp [B, T]) -> kl [B, T]``
+- policy losses: ``(PolicyLossInput) -> (per-token loss [B, T], clipped [B, T] bool)``
+
+Shapes: B sequences (prompts x ``n_samples_per_prompt``, grouped consecutively), T response tokens,
+``mask`` [B, T] is 1 on response tokens. Follows OpenRLHF's definitions (``experience_maker.py``,
+``ppo_utils``); deviations are stated where they occur.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# shaping helpers
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (global whitening, as OpenRLHF for REINFORCE++)."""
+    m = mask.to(x.dtype)
+    n = m.sum().clamp(min=1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor | None, kl_coef: float, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards: ``-kl_coef * kl`` on every response token, the sequence score added on the
+    last response token. scores [B] -> [B, T]."""
+    rewards = torch.zeros_like(mask, dtype=scores.dtype)
+    if kl is not None and kl_coef:
+        rewards = rewards - kl_coef * kl * mask
+    last = mask.shape[1] - 1 - mask.flip(-1).to(torch.long).argmax(-1)
+    return rewards.scatter_add(1, last.unsqueeze(1), scores.unsqueeze(1))
+
+
+def cumulative_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, over response tokens only. [B, T] -> [B, T]."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = rewards[:, t] + gamma * running * mask[:, t]
+        returns[:, t] = running
+    return returns * mask
+
+
+# ---------------------------------------------------------------------------------------------
+# advantage estimators
+
+
+@dataclass
+class AdvantageInput:
+    scores: torch.Tensor  # [B] sequence rewards, groups of n consecutive samples per prompt
+    mask: torch.Tensor  # [B, T]
+    group_size: int
+    kl: torch.Tensor | None = None  # [B, T] per-token KL to the reference, when KL is in the reward
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    reward_clip: float | None = None  # clip the (baselined) sequence reward to [-c, c]
+
+
+def _grouped(scores: torch.Tensor, n: int) -> torch.Tensor:
+    if scores.numel() % n:
+        raise ValueError(f"{scores.numel()} samples do not split into groups of n_samples_per_prompt={n}")
+    return scores.view(-1, n)
+
+
+def _finish(inp: AdvantageInput, scores: torch.Tensor, whiten_adv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if inp.reward_clip is not None:
+        scores = scores.clamp(-inp.reward_clip, inp.reward_clip)
+    returns = cumulative_returns(token_rewards(scores, inp.kl, inp.kl_coef, inp.mask), inp.mask, inp.gamma)
+    adv = whiten(returns, inp.mask) if whiten_adv else returns
+    return adv, returns
+
+
+def reinforce(inp: AdvantageInput):
+    """REINFORCE++ (Hu 2025): no baseline; per-token returns of reward - KL; global whitening."""
+    return _finish(inp, inp.scores, whiten_adv=True)
+
+
+def reinforce_baseline(inp: AdvantageInput):
+    """REINFORCE++-baseline: subtract the group mean reward, then as REINFORCE++ (global whitening)."""
+    g = _grouped(inp.scores, inp.group_size)
+    return _finish(inp, (g - g.mean(-1, keepdim=True)).flatten(), whiten_adv=True)
+
+
+def rloo(inp: AdvantageInput):
+    """RLOO (Ahmadian et al. 2024): baseline = mean reward of the other n-1 samples of the prompt."""
+    n = inp.group_size
+    if n < 2:
+        raise ValueError("rloo needs n_samples_per_prompt >= 2")
+    g = _grouped(inp.scores, n)
+    return _finish(inp, (g - (g.sum(-1, keepdim=True) - g) / (n - 1)).flatten(), whiten_adv=False)
+
+
+def group_norm(inp: AdvantageInput):
+    """GRPO (Shao et al. 2024): (r - group mean) / (group std + 1e-9). Std is the unbiased (n-1) one,
+    as torch.std and OpenRLHF; groups whose samples all score the same get advantage 0."""
+    g = _grouped(inp.scores, inp.group_size)
+    return _finish(inp, ((g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-9)).flatten(), whiten_adv=False)
+
+
+def dr_grpo(inp: AdvantageInput):
+    """Dr. GRPO (Liu et al. 2025): r - group mean, no std division (paired with the
+    ``seq_mean_token_sum_norm`` loss aggregation to remove the length bias too)."""
+    g = _grouped(inp.scores, inp.group_size)
+    return _finish(inp, (g - g.mean(-1, keepdim=True)).flatten(), whiten_adv=False)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInput], tuple[torch.Tensor, torch.Tensor]]] = {
+    "reinforce": reinforce,
+    "reinforce_baseline": reinforce_baseline,
+    "rloo": rloo,
+    "group_norm": group_norm,
+    "dr_grpo": dr_grpo,
+}
+
+# ---------------------------------------------------------------------------------------------
+# KL estimators (Schulman, "Approximating KL divergence", 2020), for KL(pi || ref) on pi's samples
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log pi - log ref (unbiased, high variance, can be negative)."""
+    return logp - ref_logp
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = (log pi - log ref)^2 / 2 (biased, low variance, >= 0)."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(log ref - log pi) - 1 - (log ref - log pi) (unbiased, >= 0). The log-ratio is clamped
+    to [-10, 10] before exp, as OpenRLHF, so one outlier token cannot overflow."""
+    r = (ref_logp - logp).clamp(-10, 10)
+    return torch.exp(r) - 1 - r
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+# ---------------------------------------------------------------------------------------------
+# policy losses
+
+
+@dataclass
+class PolicyLossInput:
+    logp: torch.Tensor  # [B, T] current policy
+    old_logp: torch.Tensor  # [B, T] behaviour policy (at rollout time)
+    advantages: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T]
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: float | None = None  # c > 1: bound the loss of negative-advantage tokens at c * |A|
+
+
+def ppo_clip(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip (Schulman et al. 2017) with separate low/high epsilon (DAPO's clip-higher) and
+    optional dual-clip (Ye et al. 2020). Per-token loss [B, T] and where clipping was active."""
+    ratio = torch.exp(inp.logp - inp.old_logp)
+    surr1 = ratio * inp.advantages
+    surr2 = ratio.clamp(1 - inp.clip_eps_low, 1 + inp.clip_eps_high) * inp.advantages
+    loss = -torch.min(surr1, surr2)
+    clipped = surr2 < surr1
+    if inp.dual_clip is not None:
+        if inp.dual_clip <= 1:
+            raise ValueError(f"dual_clip: {inp.dual_clip} must be > 1")
+        bound = -inp.dual_clip * inp.advantages  # for A < 0: loss <= c * |A|
+        neg = inp.advantages < 0
+        clipped = clipped | (neg & (loss > bound))
+        loss = torch.where(neg, torch.min(loss, bound), loss)
+    return loss * inp.mask, clipped & inp.mask.bool()
+
+
+def gspo(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, the geometric mean of the token
+    ratios, exp(mean_t(log pi - log pi_old)), clipped; the advantage is the sequence's (its mean
+    over tokens). Returned per token (the sequence loss on each of its tokens) so the same
+    aggregations apply; with ``seq_mean_token_mean`` it is exactly the paper's objective."""
+    m = inp.mask.to(inp.logp.dtype)
+    lengths = m.sum(-1).clamp(min=1)
+    seq_log_ratio = ((inp.logp - inp.old_logp) * m).sum(-1) / lengths
+    # token-level form with the same value and the paper's gradient: sg[s_i] * pi / sg[pi]
+    log_ratio = inp.logp - inp.logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    adv = ((inp.advantages * m).sum(-1) / lengths).unsqueeze(-1)
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1 - inp.clip_eps_low, 1 + inp.clip_eps_high) * adv
+    loss = -torch.min(surr1, surr2)
+    return loss * m, (surr2 < surr1) & inp.mask.bool()
+
+
+POLICY_LOSSES: dict[str, Callable[[PolicyLossInput], tuple[torch.Tensor, torch.Tensor]]] = {
+    "ppo": ppo_clip,
+    "gspo": gspo,
+}
+
+# ---------------------------------------------------------------------------------------------
+# aggregation: sums over a micro-batch divided by a normaliser computed over the whole global batch,
+# so the result does not depend on how the batch is split into micro-batches or ranks
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float) -> torch.Tensor:
+    """Sum of a micro-batch's contribution to the global-batch loss.
+
+    - ``token_mean``: sum of token losses / (response tokens in the global batch);
+    - ``seq_mean_token_mean``: sum over sequences of (mean token loss) / (sequences in the global batch);
+    - ``seq_mean_token_sum_norm``: sum of token losses / (sequences x max response length), Dr. GRPO.
+
+    ``normaliser`` is the global count from :func:`aggregation_normaliser`.
+    """
+    m = mask.to(loss.dtype)
+    if mode in ("token_mean", "seq_mean_token_sum_norm"):
+        return (loss * m).sum() / normaliser
+    if mode == "seq_mean_token_mean":
+        return ((loss * m).sum(-1) / m.sum(-1).clamp(min=1)).sum() / normaliser
+    raise ValueError(f"loss aggregation '{mode}' is unknown; valid: {', '.join(AGGREGATIONS)}")
+
+
+def aggregation_normaliser(masks: list[torch.Tensor], mode: str, max_len: int) -> float:
+    """The global-batch divisor for :func:`aggregate`, from the masks of every micro-batch of every rank."""
+    if mode == "token_mean":
+        return float(sum(m.sum().item() for m in masks))
+    sequences = float(sum(m.shape[0] for m in masks))
+    return sequences * max_len if mode == "seq_mean_token_sum_norm" else sequences
+
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def lookup(registry: dict, name: str, family: str):
+    if name not in registry:
+        raise ValueError(f"{family} '{name}' is unknown; valid: {', '.join(sorted(registry))}")
+    return registry[name]
