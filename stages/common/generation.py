@@ -6,7 +6,15 @@ import os
 from dataclasses import dataclass
 
 
-def make_llm(model_path: str, *, seed: int = 0, max_model_len: int = 512, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3):
+def make_llm(
+    model_path: str,
+    *,
+    seed: int = 0,
+    max_model_len: int = 512,
+    dtype: str = "bfloat16",
+    gpu_memory_utilization: float = 0.3,
+    worker_extension_cls: str | None = None,
+):
     """An in-process ``vllm.LLM`` (no engine subprocess: starts in seconds and dies with its process)."""
     import torch
 
@@ -24,6 +32,7 @@ def make_llm(model_path: str, *, seed: int = 0, max_model_len: int = 512, dtype:
         max_model_len=max_model_len,
         enforce_eager=True,
         distributed_executor_backend="uni",
+        worker_extension_cls=worker_extension_cls or "",
         **kwargs,
     )
 

@@ -238,3 +238,10 @@ def lookup(registry: dict, name: str, family: str):
     if name not in registry:
         raise ValueError(f"{family} '{name}' is unknown; valid: {', '.join(sorted(registry))}")
     return registry[name]
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025): 0 up to ``max_new_tokens - buffer`` tokens,
+    then falling linearly to ``-factor`` at ``max_new_tokens``. lengths [B] -> penalty [B]."""
+    expected = max_new_tokens - buffer
+    return -((lengths - expected).clamp(min=0) / buffer).clamp(max=1.0) * factor

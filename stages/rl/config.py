@@ -1,0 +1,117 @@
+"""The RL stage's config: rollout, algorithm, reward source, learners, Ray."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from datasets_prep.loading import DataConfig
+from stages.common.config import LoraConfig, TrainConfig
+from stages.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_batch_size: int = 16  # prompts per RL step
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    num_engines: int = 1  # vLLM engines (each a Ray actor)
+    tensor_parallel_size: int = 1  # GPU only; the CPU build runs TP 1
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    max_model_len: int = 512
+
+
+class AlgoConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    advantage_estimator: str = "group_norm"
+    policy_loss: str = "ppo"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: float | None = None
+    loss_agg: str = "token_mean"
+    ppo_epochs: int = 1
+    gamma: float = 1.0
+    init_kl_coef: float = 0.0  # 0: no reference model at all
+    kl_estimator: str = "k1"
+    kl_in_reward: bool = True  # True: -coef*KL per token in the reward; False: coef*KL as a loss term
+    kl_target: float | None = None  # adaptive coefficient (Ziegler et al. 2019) when set
+    kl_horizon: int = 10000
+    reward_clip: float | None = None
+    normalize_reward: bool = False  # with a reward model: (r - mean) / std from its checkpoint
+    overlong_buffer: int | None = None  # DAPO: penalise the last `buffer` tokens before max_new_tokens
+    overlong_penalty: float = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        for name, registry, value in (
+            ("advantage_estimator", ADVANTAGE_ESTIMATORS, self.advantage_estimator),
+            ("policy_loss", POLICY_LOSSES, self.policy_loss),
+            ("kl_estimator", KL_ESTIMATORS, self.kl_estimator),
+        ):
+            if value not in registry:
+                raise ValueError(f"{name}: '{value}' is unknown; valid: {', '.join(sorted(registry))}")
+        if self.loss_agg not in AGGREGATIONS:
+            raise ValueError(f"loss_agg: '{self.loss_agg}' is unknown; valid: {', '.join(AGGREGATIONS)}")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs: {self.ppo_epochs} must be at least 1")
+        return self
+
+
+class RewardSourceConfig(BaseModel):
+    """Exactly one of: a Python file with ``reward_func``, an HTTP endpoint, a reward-model checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    func: str | None = None
+    url: str | None = None
+    model: str | None = None  # from the CLI; flows pass the reward model's reference
+    timeout_s: float = 30.0
+    retries: int = 3
+
+
+class RayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = None  # None: start a private local cluster for this task
+    num_cpus: int | None = None
+
+
+class RLConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base: str = "tiny:tiny"  # the starting policy, from the CLI; flows pass the SFT checkpoint
+    data: DataConfig
+    eval_data: DataConfig | None = None
+    eval_steps: int = 0  # greedy held-out accuracy every N steps (and at the end); 0 = only at the end
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    reward: RewardSourceConfig = RewardSourceConfig()
+    # learners: world_size ranks, zero_stage, micro_train_batch_size (sequences per forward),
+    # train_batch_size (sequences per optimizer step; divides rollout_batch_size x n_samples)
+    train: TrainConfig = TrainConfig(zero_stage=3, train_batch_size=64, micro_train_batch_size=16, lr=1e-5)
+    lora: LoraConfig = LoraConfig()
+    ray: RayConfig = RayConfig()
+    max_steps: int = 10  # RL steps (rollout + update + sync)
+    verify_sync: bool = True
+    sync_tolerance: float = 0.05  # max |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)
+    seed: int = 0
+    output_root: str = "runs"
+
+    @model_validator(mode="after")
+    def _check(self) -> RLConfig:
+        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        if samples % self.train.train_batch_size:
+            raise ValueError(
+                f"train.train_batch_size: {self.train.train_batch_size} does not divide the {samples} samples of a "
+                f"step (rollout_batch_size {self.rollout.rollout_batch_size} x n_samples_per_prompt {self.rollout.n_samples_per_prompt})"
+            )
+        sources = [k for k in ("func", "url", "model") if getattr(self.reward, k)]
+        if len(sources) > 1:
+            raise ValueError(f"reward: give one of func, url, model (got {', '.join(sources)})")
+        if self.algo.advantage_estimator in ("rloo", "group_norm", "dr_grpo", "reinforce_baseline") and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(f"rollout.n_samples_per_prompt: {self.algo.advantage_estimator} needs at least 2 samples per prompt")
+        return self

@@ -1,0 +1,367 @@
+"""The RL stage: its own Ray cluster, vLLM rollout engines, DeepSpeed ZeRO-3 learners, verified sync.
+
+The loop, top to bottom, once per step:
+sample prompts -> generate ``n_samples_per_prompt`` responses in vLLM (token ids) -> rewards ->
+policy (old) and reference log-probs on the learners -> advantages (``algorithms``) -> PPO/GSPO
+updates for ``ppo_epochs`` -> push the weights to every engine -> verify on a probe -> metrics.
+
+Token-in-token-out: the learners train on exactly the token ids vLLM produced.
+
+Run: ``python -m stages.rl recipes/rl/tiny.yaml base=runs/sft-<key>/checkpoint``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoints import CheckpointRef, commit, require_kind, staging, verify
+from datasets_prep.loading import DataConfig, load_rows, require_text
+from datasets_prep.packing import BatchSchedule
+from datasets_prep.sft import render_prompt
+from stages.common.launcher import PROJECT_ROOT
+from stages.common.stage_run import run_key
+from stages.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdvantageInput, aggregation_normaliser
+from stages.rl.config import RLConfig
+from stages.rl.rewards import FuncReward, HttpReward, RewardError
+
+STAGE = "rl"
+
+
+class SyncError(RuntimeError):
+    """vLLM's log-probs after a weight push do not match the learner's."""
+
+
+def check_prompt_rows(data: DataConfig):
+    def check(row: dict, where: str) -> None:
+        require_text(row, data.prompt_key, where, "prompt_key", allow_messages=True)
+        if row.get(data.label_key) is None:
+            raise ValueError(f"{where}: key '{data.label_key}' missing (label_key='{data.label_key}')")
+
+    return check
+
+
+def make_reward_source(cfg: RLConfig):
+    if cfg.reward.func:
+        return FuncReward(cfg.reward.func)
+    if cfg.reward.url:
+        return HttpReward(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
+    raise RewardError("reward: no source given (set reward.func, reward.url or reward.model)")
+
+
+def _env() -> dict[str, str]:
+    keep = ("TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "VLLM_CPU_KVCACHE_SPACE",
+            "RLHF_FAULT_STEP", "RLHF_FAULT_RANK", "RLHF_FAULT_MODE")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+@contextmanager
+def ray_cluster(cfg: RLConfig):
+    """A private local Ray cluster for this task (or the one at ``ray.address``); always shut down."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    tmp = None
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, runtime_env={"env_vars": _env()}, log_to_driver=True)
+    else:
+        tmp = tempfile.mkdtemp(prefix="rlray-", dir="/tmp")  # short: Ray's socket paths are length-limited
+        cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, cfg.train.world_size)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, _temp_dir=tmp,
+                 runtime_env={"env_vars": _env()}, log_to_driver=True)
+    try:
+        yield tmp
+    finally:
+        ray.shutdown()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef | None = None) -> CheckpointRef:
+    """Train ``policy`` with RL against the configured reward source; returns the final checkpoint."""
+    from transformers import AutoTokenizer
+
+    verify(policy)
+    require_kind(policy, ("full",), "the RL policy")
+    if config.lora.enabled:
+        raise ValueError("lora: RL with LoRA adapters is not supported yet; train the full model (lora.rank=0)")
+    if reward_model is not None or config.reward.model:
+        raise ValueError("reward.model: reward-model actors are not supported yet; use reward.func or reward.url")
+    reward_fn = make_reward_source(config)  # fails fast on a bad reward file
+    tokenizer = AutoTokenizer.from_pretrained(policy.path)
+    rows = load_rows(config.data, check_prompt_rows(config.data))
+    eval_rows = load_rows(config.eval_data, check_prompt_rows(config.eval_data)) if config.eval_data else []
+    if len(rows) < config.rollout.rollout_batch_size:
+        raise ValueError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
+    key = run_key(STAGE, config, policy)
+    run_dir = Path(config.output_root) / f"{STAGE}-{key}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dest = run_dir / "checkpoint"
+    with staging(dest) as tmp, ray_cluster(config):
+        loop = RLLoop(config, policy.path, tokenizer, rows, eval_rows, reward_fn, run_dir)
+        summary = loop.run()
+        loop.export(str(tmp))
+        return commit(tmp, dest, stage=STAGE, kind="full", config_hash=key, parent=policy, extra=summary)
+
+
+class RLLoop:
+    def __init__(self, cfg: RLConfig, policy_path: str, tokenizer, rows, eval_rows, reward_fn, run_dir: Path):
+        import ray
+
+        from stages.rl.learner import Learner
+        from stages.rl.rollout import RolloutEngine
+
+        self.cfg, self.tok, self.rows, self.eval_rows, self.reward_fn, self.run_dir = cfg, tokenizer, rows, eval_rows, reward_fn, run_dir
+        self.policy_path = policy_path
+        n = cfg.train.world_size
+        updates_per_step = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.train_batch_size
+        learner_cls = ray.remote(num_cpus=1)(Learner)
+        self.learners = [learner_cls.remote(r, n) for r in range(n)]
+        master = ray.get(self.learners[0].address.remote())
+        total = cfg.max_steps * updates_per_step * cfg.algo.ppo_epochs
+        ray.get([lr.setup.remote(cfg.model_dump(mode="json"), policy_path, total, master) for lr in self.learners])
+        engine_cls = ray.remote(num_cpus=0)(RolloutEngine)
+        self.engines = [
+            engine_cls.remote(policy_path, seed=cfg.seed + i, dtype=cfg.rollout.dtype, max_model_len=cfg.rollout.max_model_len)
+            for i in range(cfg.rollout.num_engines)
+        ]
+        ray.get([e.ready.remote() for e in self.engines])
+        self.kl_coef = cfg.algo.init_kl_coef
+        self.prompt_ids = [self._render(r) for r in rows]
+
+    # -- pieces of a step, in the order the loop calls them -------------------------------------------
+
+    def _render(self, row: dict) -> list[int]:
+        text = render_prompt(self.tok, row[self.cfg.data.prompt_key], self.cfg.data)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int):
+        import ray
+
+        shards = [prompt_ids[i :: len(self.engines)] for i in range(len(self.engines))]
+        outs = ray.get([
+            e.generate.remote(s, n=n, max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature, seed=seed + i)
+            for i, (e, s) in enumerate(zip(self.engines, shards))
+        ])
+        result: list = [None] * len(prompt_ids)
+        for i, out in enumerate(outs):
+            for j, group in enumerate(out):
+                result[i + j * len(self.engines)] = group
+        return result
+
+    def rewards(self, prompts_idx: list[int], groups) -> dict[str, Any]:
+        queries, prompts, labels = [], [], []
+        for idx, group in zip(prompts_idx, groups):
+            prompt_text = self.tok.decode(group[0].prompt_ids)
+            for c in group:
+                queries.append(prompt_text + self.tok.decode(c.token_ids, skip_special_tokens=True))
+                prompts.append(prompt_text)
+                labels.append(self.rows[idx][self.cfg.data.label_key])
+        return self.reward_fn(queries, prompts, labels)
+
+    def to_batch(self, groups) -> dict[str, torch.Tensor]:
+        seqs = [(c.prompt_ids, c.token_ids) for group in groups for c in group]
+        width = max(len(p) + len(r) for p, r in seqs)
+        b = len(seqs)
+        ids = torch.full((b, width), self.tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        resp = torch.zeros((b, width), dtype=torch.long)
+        for i, (p, r) in enumerate(seqs):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            attn[i, : len(p) + len(r)] = 1
+            resp[i, len(p) : len(p) + len(r)] = 1
+        return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+
+    def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        n = len(self.learners)
+        size = batch["input_ids"].shape[0] // n
+        return [{k: v[r * size : (r + 1) * size] for k, v in batch.items()} for r in range(n)]
+
+    def logprobs(self, batch):
+        import ray
+
+        outs = ray.get([lr.logprobs.remote(s) for lr, s in zip(self.learners, self._shards(batch))])
+        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+
+    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Split the step's samples into optimizer steps, each into rank shares; one call per rank."""
+        import ray
+
+        tb, n = self.cfg.train.train_batch_size, len(self.learners)
+        total = batch["input_ids"].shape[0]
+        per_rank: list[list[dict]] = [[] for _ in range(n)]
+        for start in range(0, total, tb):
+            chunk = {k: v[start : start + tb] for k, v in batch.items()}
+            masks = [chunk["response_mask"]]
+            norm = aggregation_normaliser(masks, self.cfg.algo.loss_agg, self.cfg.rollout.max_new_tokens)
+            for r, shard in enumerate(self._shards(chunk)):
+                per_rank[r].append({"batch": shard, "norm": norm})
+        sums: dict[str, float] = {}
+        for _ in range(self.cfg.algo.ppo_epochs):
+            outs = ray.get([lr.train.remote(u, self.kl_coef) for lr, u in zip(self.learners, per_rank)])
+            for o in outs:
+                for k, v in o.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        tokens = max(sums.pop("tokens"), 1.0)
+        epochs = self.cfg.algo.ppo_epochs
+        return {
+            "policy_loss": sums["policy_loss"] / tokens,
+            "clip_ratio": sums["clip_ratio"] / tokens,
+            "entropy": sums["entropy"] / tokens,
+            "grad_norm": sums["grad_norm"] / (n * epochs),
+            "lr": sums["lr"] / (n * epochs),
+        }
+
+    def sync(self, probe: dict[str, torch.Tensor]) -> float:
+        """Push the learners' weights to every engine; return the probe's max |log-prob difference|."""
+        import ray
+
+        data = ray.get([lr.weights_bytes.remote(self.cfg.rollout.dtype) for lr in self.learners])[0]
+        if os.environ.get("RLHF_FAULT_SKIP_PUSH") != "1":  # test hook: a push that silently does nothing
+            ref = ray.put(data)
+            ray.get([e.update_weights.remote(ref) for e in self.engines])
+        return self.verify(probe) if self.cfg.verify_sync else float("nan")
+
+    def verify(self, probe: dict[str, torch.Tensor]) -> float:
+        import ray
+
+        learner = ray.get([lr.probe_logprobs.remote(probe) for lr in self.learners])[0]
+        seqs = [row[row_mask.bool()].tolist() for row, row_mask in zip(probe["input_ids"], probe["attention_mask"])]
+        engine_lps = ray.get([e.sequence_logprobs.remote(seqs) for e in self.engines])
+        worst = 0.0
+        for e_idx, lps in enumerate(engine_lps):
+            for i, seq_lp in enumerate(lps):
+                n = len(seq_lp)
+                diff = (torch.tensor(seq_lp) - learner[i, 1 : n + 1]).abs().max().item()
+                worst = max(worst, diff)
+        if worst > self.cfg.sync_tolerance:
+            raise SyncError(
+                f"weight sync check failed: vLLM engine log-probs differ from the learner's by {worst:.4g} on the probe "
+                f"(tolerance sync_tolerance={self.cfg.sync_tolerance}); the engine is not running the trained weights"
+            )
+        return worst
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_rows:
+            return {}
+        prompts = [self._render(r) for r in self.eval_rows]
+        groups = self.generate(prompts, 1, 0.0, self.cfg.seed)
+        queries, texts, labels = [], [], []
+        for row, group in zip(self.eval_rows, groups):
+            text = self.tok.decode(group[0].prompt_ids)
+            queries.append(text + self.tok.decode(group[0].token_ids, skip_special_tokens=True))
+            texts.append(text)
+            labels.append(row[self.cfg.data.label_key])
+        scores = self.reward_fn(queries, texts, labels)["scores"]
+        return {"eval_accuracy": scores.mean().item()}
+
+    # -- the loop ----------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        cfg, ro, algo = self.cfg, self.cfg.rollout, self.cfg.algo
+        schedule = BatchSchedule(len(self.rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
+        metrics_path = self.run_dir / "metrics.jsonl"
+        metrics_path.write_text("")
+        tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        initial = self.evaluate()
+        history = []
+        probe = None
+        for step in tqdm(range(cfg.max_steps), desc="rl", disable=not cfg.train.progress_bar):
+            t = {}
+            t0 = time.perf_counter()
+            idx = schedule.global_batch(step)
+            groups = self.generate([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature, cfg.seed * 100_003 + step)
+            t["generate_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            rewards = self.rewards(idx, groups)
+            t["reward_s"] = time.perf_counter() - t1
+            batch = self.to_batch(groups)
+            if probe is None:  # a fixed probe: the first samples of the first step
+                probe = {k: v[: len(self.learners) * 2] for k, v in batch.items()}
+                self.verify(probe) if cfg.verify_sync else None
+            t1 = time.perf_counter()
+            lps = self.logprobs(batch)
+            t["reference_s"] = time.perf_counter() - t1
+            mask = batch["response_mask"].float()
+            kl = None
+            if "ref_logp" in lps:
+                kl = KL_ESTIMATORS[algo.kl_estimator](lps["logp"], lps["ref_logp"]) * mask
+            scores = rewards["rewards"].double()
+            lengths = mask.sum(-1)
+            if algo.overlong_buffer:
+                from stages.rl.algorithms import overlong_penalty
+
+                scores = scores + overlong_penalty(lengths, ro.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty).double()
+            adv_in = AdvantageInput(
+                scores.float(), mask, ro.n_samples_per_prompt, kl=kl if algo.kl_in_reward else None,
+                kl_coef=self.kl_coef, gamma=algo.gamma, reward_clip=algo.reward_clip,
+            )
+            advantages, _ = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](adv_in)
+            train_batch = {**batch, "old_logp": lps["logp"], "advantages": advantages.float()}
+            if "ref_logp" in lps:
+                train_batch["ref_logp"] = lps["ref_logp"]
+            t1 = time.perf_counter()
+            train_metrics = self.train(train_batch)
+            t["train_s"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            sync_diff = self.sync(probe)
+            t["sync_s"] = time.perf_counter() - t1
+            mean_kl = float((kl.sum() / mask.sum()).item()) if kl is not None else 0.0
+            if algo.kl_target is not None and kl is not None:  # adaptive KL (Ziegler et al. 2019)
+                err = max(min(mean_kl / algo.kl_target - 1, 0.2), -0.2)
+                self.kl_coef *= 1 + err * ro.rollout_batch_size * ro.n_samples_per_prompt / algo.kl_horizon
+            t["total_s"] = time.perf_counter() - t0
+            m = {
+                "step": step + 1,
+                "reward_mean": rewards["rewards"].mean().item(),
+                "reward_std": rewards["rewards"].std().item(),
+                "accuracy": rewards["scores"].mean().item(),
+                "kl": mean_kl,
+                "kl_coef": self.kl_coef,
+                "response_length": lengths.mean().item(),
+                "sync_max_logprob_diff": sync_diff,
+                **train_metrics,
+                **{k: v.mean().item() for k, v in rewards["extra_logs"].items()},
+                **t,
+                "generated_tokens_per_s": float(lengths.sum().item()) / max(t["generate_s"], 1e-9),
+            }
+            if cfg.eval_steps and (step + 1) % cfg.eval_steps == 0 and step + 1 < cfg.max_steps:
+                m.update(self.evaluate())
+            history.append(m)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            for k, v in m.items():
+                if k != "step":
+                    tb.add_scalar(f"rl/{k}", v, step + 1)
+        final = self.evaluate()
+        tb.close()
+        return {"initial_eval": initial, "final_eval": final, "last_step": history[-1] if history else {}}
+
+    def export(self, out_dir: str) -> None:
+        import ray
+
+        ray.get([lr.export.remote(out_dir, self.policy_path) for lr in self.learners])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from stages.common.models import resolve_model
+    from stages.common.recipe import load_config
+
+    config = load_config(RLConfig, argv)
+    print(run_rl(config, resolve_model(config.base, config.output_root)).model_dump_json(indent=2))

@@ -1,0 +1,149 @@
+"""One learner rank of the RL stage (a Ray actor): the policy's DeepSpeed engine and the reference.
+
+All ranks form one torch.distributed group (gloo on CPU, NCCL on GPU); rank 0 hands out the address.
+Under ZeRO-3 every forward is collective, so the driver always calls every rank with equal-sized
+shards. The frozen reference model lives in the same process (an optimizer-less DeepSpeed engine,
+partitioned like the policy), which is OpenRLHF's ``colocate_actor_ref``.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from stages.common.logprobs import token_logps
+from stages.rl.algorithms import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossInput, aggregate
+from stages.rl.config import RLConfig
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class Learner:
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        from stages.common.launcher import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, config: dict, policy_path: str, total_updates: int, master: tuple[str, int]) -> bool:
+        from transformers import AutoModelForCausalLM
+
+        from stages.common import trainer
+        from stages.dpo import build_reference_engine
+
+        os.environ.update(
+            RANK=str(self.rank), LOCAL_RANK="0" if not torch.cuda.is_available() else str(self.rank),
+            WORLD_SIZE=str(self.world_size), MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+        )
+        self.cfg = RLConfig.model_validate(config)
+        trainer.init_distributed()
+        self.eng = trainer.build_engine(
+            policy_path, self.cfg.train, self.cfg.lora, total_updates,
+            lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, use_safetensors=True),
+        )
+        self.ref = None
+        if self.cfg.algo.init_kl_coef > 0:
+            self.ref, self._ref_keep = build_reference_engine(policy_path, self.cfg.train)
+        return True
+
+    def _forward_logps(self, module, batch: dict[str, torch.Tensor], with_entropy: bool = False):
+        from stages.common.trainer import device
+
+        out = module(
+            input_ids=batch["input_ids"].to(device()), attention_mask=batch["attention_mask"].to(device()), use_cache=False
+        )
+        logp = token_logps(out.logits, batch["input_ids"].to(device()))
+        return (logp, _entropy(out.logits)) if with_entropy else logp
+
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Policy (and reference) log-probs of this rank's shard, micro-batch by micro-batch."""
+        micro = self.cfg.train.micro_train_batch_size
+        out: dict[str, list[torch.Tensor]] = {"logp": [], "ref_logp": []}
+        self.eng.engine.eval()
+        with torch.no_grad():
+            for i in range(0, batch["input_ids"].shape[0], micro):
+                part = {k: v[i : i + micro] for k, v in batch.items()}
+                out["logp"].append(self._forward_logps(self.eng.engine, part).float().cpu())
+                if self.ref is not None:
+                    out["ref_logp"].append(self._forward_logps(self.ref, part).float().cpu())
+        self.eng.engine.train()
+        return {k: torch.cat(v) for k, v in out.items() if v}
+
+    def train(self, updates: list[dict[str, Any]], kl_coef: float) -> dict[str, float]:
+        """One pass over this rank's shares of the optimizer steps: [{"batch": tensors, "norm": float}]."""
+        from stages.common.trainer import device
+
+        cfg, algo = self.cfg, self.cfg.algo
+        engine = self.eng.engine
+        micro = cfg.train.micro_train_batch_size
+        scale = cfg.train.accumulation_steps * self.world_size
+        policy_loss = POLICY_LOSSES[algo.policy_loss]
+        kl_of = KL_ESTIMATORS[algo.kl_estimator]
+        sums = {"policy_loss": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0}
+        grad_norms = []
+        for update in updates:
+            b, norm = update["batch"], update["norm"]
+            for i in range(0, b["input_ids"].shape[0], micro):
+                part = {k: v[i : i + micro].to(device()) for k, v in b.items()}
+                mask = part["response_mask"].float()
+                logp, entropy = self._forward_logps(engine, part, with_entropy=True)
+                inp = PolicyLossInput(
+                    logp, part["old_logp"], part["advantages"], mask,
+                    algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip,
+                )
+                per_token, clipped = policy_loss(inp)
+                loss = aggregate(per_token, mask, algo.loss_agg, norm)
+                kl = kl_of(logp, part["ref_logp"]) * mask if "ref_logp" in part else torch.zeros_like(logp)
+                if not algo.kl_in_reward and algo.init_kl_coef > 0:
+                    loss = loss + kl_coef * aggregate(kl, mask, algo.loss_agg, norm)
+                engine.backward(loss * scale)
+                engine.step()
+                sums["policy_loss"] += float((per_token * mask).sum())
+                sums["clip_ratio"] += float(clipped.float().sum())
+                sums["entropy"] += float((entropy * mask).sum())
+                sums["kl"] += float(kl.detach().sum())
+                sums["tokens"] += float(mask.sum())
+            gn = engine.get_global_grad_norm()
+            grad_norms.append(float(gn) if gn is not None else float("nan"))
+        sums["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+        sums["lr"] = engine.get_lr()[0]
+        return sums
+
+    def weights_bytes(self, dtype: str) -> bytes | None:
+        """The full policy state dict as safetensors bytes on rank 0 (every rank must call: ZeRO-3 gather)."""
+        import deepspeed
+        from safetensors.torch import save
+
+        module = self.eng.engine.module
+        zero3 = self.eng.ds_config["zero_optimization"]["stage"] == 3
+        gather = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None) if zero3 else nullcontext()
+        target = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        with gather:
+            if self.rank != 0:
+                return None
+            state = {k: v.detach().to(target).cpu().contiguous().clone() for k, v in module.state_dict().items()}
+        return save(state)
+
+    def probe_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        out = self.logprobs(batch)["logp"]
+        return out if self.rank == 0 else None
+
+    def export(self, out_dir: str, tokenizer_path: str) -> bool:
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        from stages.common import trainer
+
+        trainer.export_hf(self.eng, Path(out_dir), AutoTokenizer.from_pretrained(tokenizer_path), self.rank)
+        return True

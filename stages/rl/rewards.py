@@ -1,0 +1,105 @@
+"""Reward sources for RL: a Python ``reward_func`` file, an HTTP endpoint, or a reward-model actor.
+
+Every source follows OpenRLHF's contract: ``(queries, prompts, labels) -> {"rewards", "scores",
+"extra_logs"}`` where ``queries`` are the full decoded sequences (prompt + response), ``rewards``
+drive the advantages, ``scores`` (default: the rewards) are what the task counts as success, and
+``extra_logs`` are extra per-sample metrics. A result with the wrong shape, NaN or non-numeric
+values stops the step with an error naming the source.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class RewardError(RuntimeError):
+    """A reward source failed or returned something unusable; the message names the source."""
+
+
+def load_reward_func(path: str) -> Callable[..., Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise RewardError(f"reward func file {path}: not found")
+    spec = importlib.util.spec_from_file_location(f"reward_func_{abs(hash(str(p.resolve())))}", p)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise RewardError(f"reward func file {path}: failed to import ({type(e).__name__}: {e})") from e
+    func = getattr(module, "reward_func", None)
+    if not callable(func):
+        raise RewardError(f"reward func file {path}: defines no callable 'reward_func(queries, prompts, labels)'")
+    return func
+
+
+def _as_tensor(values: Any, n: int, what: str, source: str) -> torch.Tensor:
+    try:
+        t = torch.as_tensor(values, dtype=torch.float32).flatten()
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"{source}: '{what}' is not numeric ({type(e).__name__}: {e}; got {str(values)[:80]})") from e
+    if t.numel() != n:
+        raise RewardError(f"{source}: '{what}' has {t.numel()} values for {n} samples")
+    if not torch.isfinite(t).all():
+        bad = [i for i, v in enumerate(t.tolist()) if not math.isfinite(v)]
+        raise RewardError(f"{source}: '{what}' has non-finite values (NaN or inf) at samples {bad[:10]}")
+    return t
+
+
+def check_result(result: Any, n: int, source: str) -> dict[str, Any]:
+    """Validate a source's answer; returns rewards [n], scores [n], extra_logs {name: [n]}."""
+    if isinstance(result, torch.Tensor | list | tuple):
+        result = {"rewards": result}
+    if not isinstance(result, dict) or "rewards" not in result:
+        raise RewardError(f"{source}: expected a dict with 'rewards' (and optional 'scores', 'extra_logs'), got {type(result).__name__}")
+    rewards = _as_tensor(result["rewards"], n, "rewards", source)
+    scores = _as_tensor(result["scores"], n, "scores", source) if result.get("scores") is not None else rewards.clone()
+    extra = {k: _as_tensor(v, n, f"extra_logs.{k}", source) for k, v in (result.get("extra_logs") or {}).items()}
+    return {"rewards": rewards, "scores": scores, "extra_logs": extra}
+
+
+class FuncReward:
+    def __init__(self, path: str):
+        self.source = f"reward func {path}"
+        self.func = load_reward_func(path)
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, Any]:
+        try:
+            result = self.func(queries, prompts, labels)
+        except Exception as e:
+            raise RewardError(f"{self.source}: raised {type(e).__name__}: {e}") from e
+        return check_result(result, len(queries), self.source)
+
+
+class HttpReward:
+    """POST ``{"queries", "prompts", "labels"}`` as JSON; the answer is the same dict as a reward_func's."""
+
+    def __init__(self, url: str, timeout_s: float, retries: int):
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        self.source = f"reward endpoint {url}"
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, Any]:
+        body = json.dumps({"queries": queries, "prompts": prompts, "labels": labels}).encode()
+        errors = []
+        for attempt in range(self.retries + 1):
+            try:
+                req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    result = json.loads(resp.read())
+                return check_result(result, len(queries), self.source)
+            except RewardError:
+                raise
+            except (urllib.error.URLError, TimeoutError, OSError, json.JSONDecodeError) as e:
+                errors.append(f"attempt {attempt + 1}: {type(e).__name__}: {getattr(e, 'reason', e)}")
+                if attempt < self.retries:
+                    time.sleep(min(0.2 * 2**attempt, 2.0))
+        raise RewardError(f"{self.source}: failed {self.retries + 1} times ({'; '.join(errors)})")
