@@ -242,7 +242,7 @@ class RLLoop:
         seqs = [row[row_mask.bool()].tolist() for row, row_mask in zip(probe["input_ids"], probe["attention_mask"])]
         engine_lps = ray.get([e.sequence_logprobs.remote(seqs) for e in self.engines])
         worst = 0.0
-        for e_idx, lps in enumerate(engine_lps):
+        for lps in engine_lps:
             for i, seq_lp in enumerate(lps):
                 n = len(seq_lp)
                 diff = (torch.tensor(seq_lp) - learner[i, 1 : n + 1]).abs().max().item()
