@@ -29,16 +29,16 @@ class RewardError(RuntimeError):
 def load_reward_func(path: str) -> Callable[..., Any]:
     p = Path(path)
     if not p.is_file():
-        raise RewardError(f"reward func file {path}: not found")
+        raise RewardError(f"reward func {path}: not found")
     spec = importlib.util.spec_from_file_location(f"reward_func_{abs(hash(str(p.resolve())))}", p)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise RewardError(f"reward func file {path}: failed to import ({type(e).__name__}: {e})") from e
+        raise RewardError(f"reward func {path}: failed to import ({type(e).__name__}: {e})") from e
     func = getattr(module, "reward_func", None)
     if not callable(func):
-        raise RewardError(f"reward func file {path}: defines no callable 'reward_func(queries, prompts, labels)'")
+        raise RewardError(f"reward func {path}: defines no callable 'reward_func(queries, prompts, labels)'")
     return func
 
 
@@ -99,7 +99,8 @@ class HttpReward:
             except RewardError:
                 raise
             except (urllib.error.URLError, TimeoutError, OSError, json.JSONDecodeError) as e:
-                errors.append(f"attempt {attempt + 1}: {type(e).__name__}: {getattr(e, 'reason', e)}")
+                what = f"HTTP {e.code} {e.reason}" if isinstance(e, urllib.error.HTTPError) else f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                errors.append(f"attempt {attempt + 1}: {what}")
                 if attempt < self.retries:
                     time.sleep(min(0.2 * 2**attempt, 2.0))
         raise RewardError(f"{self.source}: failed {self.retries + 1} times ({'; '.join(errors)})")

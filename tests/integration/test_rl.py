@@ -1,0 +1,127 @@
+"""The RL stage for real: a private Ray cluster, 2 DeepSpeed ZeRO-3 learners, a reference, a vLLM engine."""
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from checkpoints import read_manifest, verify
+from stages.rl.config import RLConfig
+from stages.rl.driver import SyncError, run_rl
+from stages.rl.rewards import RewardError
+from stages.sft import SFTConfig, run_sft
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ray_processes() -> list[str]:
+    names = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if any(s in cmd for s in ("raylet", "gcs_server", "ray::", "rlray-")):
+            names.append(cmd[:120])
+    return names
+
+
+@pytest.fixture(scope="module")
+def sft_policy(task_files, micro_model, tmp_path_factory):
+    cfg = SFTConfig.model_validate({
+        "data": {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None, "max_len": 64, "packing": True},
+        "train": {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 8, "max_steps": 20, "lr": 5e-3, "progress_bar": False},
+        "output_root": str(tmp_path_factory.mktemp("sft")),
+    })
+    return run_sft(cfg, micro_model)
+
+
+def _config(task_files, root, reward_func, **over) -> RLConfig:
+    cfg = {
+        "data": {"paths": [str(task_files["rl_prompts"])], "prompt_key": "prompt", "label_key": "answer"},
+        "reward": {"func": str(reward_func)},
+        "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "max_new_tokens": 6, "dtype": "float32"},
+        "algo": {"advantage_estimator": "group_norm"},
+        "train": {"world_size": 2, "zero_stage": 3, "dtype": "fp32", "train_batch_size": 16, "micro_train_batch_size": 8,
+                  "lr": 1e-3, "lr_scheduler": "constant", "warmup_ratio": 0.0, "progress_bar": False},
+        "max_steps": 3,
+        "sync_tolerance": 1e-3,
+        "output_root": str(root),
+    }
+    for key, value in over.items():
+        section, _, field = key.partition("__")
+        if field:
+            cfg[section] = {**cfg.get(section, {}), field: value}
+        else:
+            cfg[section] = value
+    return RLConfig.model_validate(cfg)
+
+
+def _metrics(ref) -> list[dict]:
+    return [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files, sft_policy, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py",
+                  algo__init_kl_coef=0.05, algo__kl_estimator="k3", eval_data={"paths": [str(task_files["eval"])],
+                  "prompt_key": "prompt", "label_key": "answer"})
+    ref = run_rl(cfg, sft_policy)
+    verify(ref)
+    m = read_manifest(ref.path)
+    assert (m.kind, m.stage, m.parent) == ("full", "rl", sft_policy.digest)
+    steps = _metrics(ref)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # every push verified: vLLM (fp32) and the learners agree on the probe after each update
+    assert all(s["sync_max_logprob_diff"] <= 1e-3 for s in steps)
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    assert steps[-1]["kl"] > 0  # and has moved since
+    for key in ("reward_mean", "accuracy", "entropy", "clip_ratio", "response_length", "generate_s", "train_s", "sync_s"):
+        assert key in steps[-1]
+    assert 0.0 <= m.extra["final_eval"]["eval_accuracy"] <= 1.0
+    new = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
+    old = AutoModelForCausalLM.from_pretrained(sft_policy.path, dtype=torch.float32)
+    assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
+    assert ray_processes() == []
+
+
+def test_toy_reward_rises_within_a_few_steps(task_files, sft_policy, tmp_path):
+    """Reward 1 for answers starting with the digit 1: a tiny model learns it in a handful of steps."""
+    func = tmp_path / "first_digit.py"
+    func.write_text(
+        "def reward_func(queries, prompts, labels):\n"
+        "    r = [1.0 if q[len(p):].startswith('1') else 0.0 for q, p in zip(queries, prompts)]\n"
+        "    return {'rewards': r}\n"
+    )
+    cfg = _config(task_files, tmp_path, func, max_steps=8, train__world_size=1, train__zero_stage=2,
+                  rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
+                  train__lr=3e-3, algo__advantage_estimator="reinforce_baseline")
+    steps = _metrics(run_rl(cfg, sft_policy))
+    first, last = sum(s["reward_mean"] for s in steps[:2]) / 2, sum(s["reward_mean"] for s in steps[-2:]) / 2
+    assert last > first + 0.25, [round(s["reward_mean"], 3) for s in steps]
+
+
+def test_a_push_that_changes_nothing_is_caught_and_ray_is_cleaned_up(task_files, sft_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_FAULT_SKIP_PUSH", "1")
+    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", train__world_size=1, train__zero_stage=2)
+    with pytest.raises(SyncError, match=r"weight sync check failed: vLLM engine log-probs differ from the learner's by"):
+        run_rl(cfg, sft_policy)
+    assert ray_processes() == []
+    assert not list(tmp_path.glob("rl-*/checkpoint"))
+
+
+def test_bad_reward_source_and_config_fail_before_ray_starts(task_files, sft_policy, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def reward_func(q, p, l):\n    return {'rewards': [float('nan')] * len(q)}\n")
+    cfg = _config(task_files, tmp_path, tmp_path / "missing.py", train__world_size=1)
+    with pytest.raises(RewardError, match="missing.py: not found"):
+        run_rl(cfg, sft_policy)
+    with pytest.raises(ValueError, match=r"train.train_batch_size: 12 does not divide the 32 samples"):
+        _config(task_files, tmp_path, bad, train__train_batch_size=12, train__micro_train_batch_size=4, train__world_size=1)
+    with pytest.raises(ValueError, match=r"advantage_estimator: 'gae' is unknown; valid: dr_grpo, group_norm"):
+        _config(task_files, tmp_path, bad, algo__advantage_estimator="gae")
+    # a NaN reward stops the first step, naming the source, and Ray is shut down
+    with pytest.raises(RewardError, match=r"reward func .*bad.py: 'rewards' has non-finite values"):
+        run_rl(_config(task_files, tmp_path, bad, train__world_size=1, train__zero_stage=2), sft_policy)
+    assert ray_processes() == []

@@ -1,0 +1,102 @@
+"""Reward sources: the reward_func contract, bad answers named by source, a real local HTTP endpoint."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.rl.rewards import FuncReward, HttpReward, RewardError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _func_file(tmp_path, body: str) -> str:
+    p = tmp_path / "reward.py"
+    p.write_text(body)
+    return str(p)
+
+
+def test_arithmetic_reward_func_checks_the_answer():
+    r = FuncReward(str(ROOT / "recipes/rewards/arithmetic.py"))
+    out = r(["<q>12+30<a>42", "<q>12+30<a>41", "<q>1+1<a>The answer is 2"], ["<q>12+30<a>", "<q>12+30<a>", "<q>1+1<a>"], ["42", "42", "2"])
+    assert out["rewards"].tolist() == [1.0, 0.0, 1.0] and torch.equal(out["scores"], out["rewards"])
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def reward_func(q, p, l):\n    return {'rewards': [1.0]}\n", r"'rewards' has 1 values for 2 samples"),
+        ("def reward_func(q, p, l):\n    return {'rewards': [1.0, float('nan')]}\n", r"'rewards' has non-finite values \(NaN or inf\) at samples \[1\]"),
+        ("def reward_func(q, p, l):\n    return {'rewards': ['good', 'bad']}\n", r"'rewards' is not numeric"),
+        ("def reward_func(q, p, l):\n    return 3\n", r"expected a dict with 'rewards'"),
+        ("def reward_func(q, p, l):\n    raise KeyError('label')\n", r"raised KeyError"),
+        ("x = 1\n", r"defines no callable 'reward_func"),
+    ],
+)
+def test_bad_reward_func_results_name_the_source(tmp_path, body, message):
+    path = _func_file(tmp_path, body)
+    with pytest.raises(RewardError, match=f"reward func {path}.*{message}"):
+        FuncReward(path)(["a", "b"], ["", ""], [0, 0])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    calls = 0
+    mode = "ok"
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        type(self).calls += 1
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.mode == "fail":
+            self.send_response(500)
+            self.end_headers()
+            return
+        if self.mode == "flaky" and type(self).calls == 1:
+            self.send_response(503)
+            self.end_headers()
+            return
+        rewards = [float(q.endswith(str(lab))) for q, lab in zip(body["queries"], body["labels"])]
+        data = json.dumps({"rewards": rewards, "extra_logs": {"length": [len(q) for q in body["queries"]]}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    _Handler.calls = 0
+    yield httpd, f"http://127.0.0.1:{httpd.server_address[1]}/reward"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_http_reward_against_a_local_server(server):
+    httpd, url = server
+    _Handler.mode = "ok"
+    out = HttpReward(url, timeout_s=5, retries=2)(["1+1=2", "1+1=3"], ["1+1=", "1+1="], ["2", "2"])
+    assert out["rewards"].tolist() == [1.0, 0.0] and out["extra_logs"]["length"].tolist() == [5.0, 5.0]
+    _Handler.mode = "flaky"  # one 503, then an answer: a bounded retry recovers
+    _Handler.calls = 0
+    assert HttpReward(url, timeout_s=5, retries=2)(["x2"], ["x"], ["2"])["rewards"].tolist() == [1.0]
+    assert _Handler.calls == 2
+
+
+def test_http_reward_gives_up_naming_the_url(server):
+    httpd, url = server
+    _Handler.mode = "fail"
+    _Handler.calls = 0
+    with pytest.raises(RewardError, match=f"reward endpoint {url}: failed 3 times .*HTTP 500"):
+        HttpReward(url, timeout_s=5, retries=2)(["a"], [""], [0])
+    assert _Handler.calls == 3
+    dead = "http://127.0.0.1:9/reward"  # nothing listens on the discard port
+    with pytest.raises(RewardError, match="reward endpoint http://127.0.0.1:9/reward: failed 2 times"):
+        HttpReward(dead, timeout_s=1, retries=1)(["a"], [""], [0])
