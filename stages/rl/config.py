@@ -97,7 +97,7 @@ class RLConfig(BaseModel):
     ray: RayConfig = RayConfig()
     max_steps: int = 10  # RL steps (rollout + update + sync)
     verify_sync: bool = True
-    sync_tolerance: float = 0.05  # max |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)
+    sync_tolerance: float = 0.05  # mean |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)
     seed: int = 0
     output_root: str = "runs"
 
