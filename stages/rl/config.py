@@ -96,6 +96,7 @@ class RLConfig(BaseModel):
     lora: LoraConfig = LoraConfig()
     ray: RayConfig = RayConfig()
     max_steps: int = 10  # RL steps (rollout + update + sync)
+    log_rollouts_every: int = 0  # write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never
     verify_sync: bool = True
     sync_tolerance: float = 0.05  # mean |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)
     seed: int = 0

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,6 +77,13 @@ def ray_cluster(cfg: RLConfig):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     tmp = None
+    # SIGTERM (a killed task, a stopped worker) must unwind through the shutdown below like Ctrl-C does
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def _terminate(signum, frame):
+            raise SystemExit(f"RL stage stopped by signal {signum}")
+
+        previous = signal.signal(signal.SIGTERM, _terminate)
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": _env()}, log_to_driver=True)
     else:
@@ -88,6 +97,8 @@ def ray_cluster(cfg: RLConfig):
         ray.shutdown()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef | None = None) -> CheckpointRef:
@@ -98,9 +109,16 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     require_kind(policy, ("full",), "the RL policy")
     if config.lora.enabled:
         raise ValueError("lora: RL with LoRA adapters is not supported yet; train the full model (lora.rank=0)")
-    if reward_model is not None or config.reward.model:
-        raise ValueError("reward.model: reward-model actors are not supported yet; use reward.func or reward.url")
-    reward_fn = make_reward_source(config)  # fails fast on a bad reward file
+    if reward_model is None and config.reward.model:
+        from checkpoints import load_ref
+
+        reward_model = load_ref(config.reward.model)
+    if reward_model is not None:
+        verify(reward_model)
+        require_kind(reward_model, ("reward",), "the RL reward model")
+        reward_fn = None
+    else:
+        reward_fn = make_reward_source(config)  # fails fast on a bad reward file
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
     rows = load_rows(config.data, check_prompt_rows(config.data))
     eval_rows = load_rows(config.eval_data, check_prompt_rows(config.eval_data)) if config.eval_data else []
@@ -111,17 +129,20 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     run_dir.mkdir(parents=True, exist_ok=True)
     dest = run_dir / "checkpoint"
     with staging(dest) as tmp, ray_cluster(config):
-        loop = RLLoop(config, policy.path, tokenizer, rows, eval_rows, reward_fn, run_dir)
+        loop = RLLoop(config, policy.path, tokenizer, rows, eval_rows, reward_fn, run_dir,
+                      reward_model.path if reward_model else None)
         summary = loop.run()
         loop.export(str(tmp))
         return commit(tmp, dest, stage=STAGE, kind="full", config_hash=key, parent=policy, extra=summary)
 
 
 class RLLoop:
-    def __init__(self, cfg: RLConfig, policy_path: str, tokenizer, rows, eval_rows, reward_fn, run_dir: Path):
+    def __init__(self, cfg: RLConfig, policy_path: str, tokenizer, rows, eval_rows, reward_fn, run_dir: Path,
+                 reward_model_path: str | None = None):
         import ray
 
         from stages.rl.learner import Learner
+        from stages.rl.rewards import RewardModelScorer
         from stages.rl.rollout import RolloutEngine
 
         self.cfg, self.tok, self.rows, self.eval_rows, self.reward_fn, self.run_dir = cfg, tokenizer, rows, eval_rows, reward_fn, run_dir
@@ -139,6 +160,9 @@ class RLLoop:
             for i in range(cfg.rollout.num_engines)
         ]
         ray.get([e.ready.remote() for e in self.engines])
+        self.reward_actor = None
+        if reward_model_path:  # the reward model is served from its own actor, sharing the CPUs like vLLM
+            self.reward_actor = ray.remote(num_cpus=0)(RewardModelScorer).remote(reward_model_path, cfg.algo.normalize_reward)
         self.kl_coef = cfg.algo.init_kl_coef
         self.prompt_ids = [self._render(r) for r in rows]
 
@@ -163,6 +187,13 @@ class RLLoop:
         return result
 
     def rewards(self, prompts_idx: list[int], groups) -> dict[str, Any]:
+        if self.reward_actor is not None:
+            import ray
+
+            from stages.rl.rewards import check_result
+
+            seqs = [c.prompt_ids + c.token_ids for group in groups for c in group]
+            return check_result({"rewards": ray.get(self.reward_actor.score.remote(seqs))}, len(seqs), "reward model")
         queries, prompts, labels = [], [], []
         for idx, group in zip(prompts_idx, groups):
             prompt_text = self.tok.decode(group[0].prompt_ids)
@@ -271,6 +302,47 @@ class RLLoop:
         scores = self.reward_fn(queries, texts, labels)["scores"]
         return {"eval_accuracy": scores.mean().item()}
 
+    def save_state(self, step: int, probe: dict[str, torch.Tensor]) -> None:
+        """Learner state (DeepSpeed checkpoint) plus the driver's own: the step, the KL coefficient, the probe."""
+        import ray
+        from safetensors.torch import save_file
+
+        state = self.run_dir / "state"
+        ray.get([lr.save_state.remote(str(state), step) for lr in self.learners])
+        save_file({k: v.contiguous() for k, v in probe.items()}, str(state / "probe.safetensors"))
+        tmp = state / "driver.json.tmp"
+        tmp.write_text(json.dumps({"step": step, "kl_coef": self.kl_coef}))
+        tmp.replace(state / "driver.json")
+
+    def resume(self) -> tuple[int, dict[str, torch.Tensor] | None]:
+        """Load the latest state (if any) and push its weights to the engines before the first rollout."""
+        import ray
+        from safetensors.torch import load_file
+
+        state = self.run_dir / "state"
+        if not (state / "driver.json").is_file():
+            return 0, None
+        driver = json.loads((state / "driver.json").read_text())
+        steps = ray.get([lr.load_state.remote(str(state)) for lr in self.learners])
+        if steps[0] != driver["step"]:
+            raise RuntimeError(f"{state}: learner state is at step {steps[0]}, driver state at {driver['step']}")
+        self.kl_coef = driver["kl_coef"]
+        probe = load_file(str(state / "probe.safetensors"))
+        self.sync(probe)
+        return driver["step"], probe
+
+    def log_rollouts(self, step: int, idx: list[int], groups, rewards: dict[str, Any]) -> None:
+        """The step's samples as token ids and text, with their rewards: rollouts/step_N.jsonl."""
+        folder = self.run_dir / "rollouts"
+        folder.mkdir(exist_ok=True)
+        k = 0
+        with open(folder / f"step_{step}.jsonl", "w") as f:
+            for i, group in zip(idx, groups):
+                for c in group:
+                    f.write(json.dumps({"prompt_index": i, "prompt_ids": c.prompt_ids, "response_ids": c.token_ids,
+                                        "response": c.text, "reward": rewards["rewards"][k].item()}) + "\n")
+                    k += 1
+
     # -- the loop ----------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
@@ -280,12 +352,13 @@ class RLLoop:
         cfg, ro, algo = self.cfg, self.cfg.rollout, self.cfg.algo
         schedule = BatchSchedule(len(self.rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
         metrics_path = self.run_dir / "metrics.jsonl"
-        metrics_path.write_text("")
-        tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        start, probe = self.resume() if cfg.train.resume else (0, None)
+        kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start] if metrics_path.is_file() else []
+        metrics_path.write_text("".join(ln + "\n" for ln in kept))
+        tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start + 1)
         initial = self.evaluate()
         history = []
-        probe = None
-        for step in tqdm(range(cfg.max_steps), desc="rl", disable=not cfg.train.progress_bar):
+        for step in tqdm(range(start, cfg.max_steps), desc="rl", disable=not cfg.train.progress_bar):
             t = {}
             t0 = time.perf_counter()
             idx = schedule.global_batch(step)
@@ -295,6 +368,8 @@ class RLLoop:
             rewards = self.rewards(idx, groups)
             t["reward_s"] = time.perf_counter() - t1
             batch = self.to_batch(groups)
+            if cfg.log_rollouts_every and step % cfg.log_rollouts_every == 0:
+                self.log_rollouts(step + 1, idx, groups, rewards)
             if probe is None:  # a fixed probe: the first samples of the first step
                 probe = {k: v[: len(self.learners) * 2] for k, v in batch.items()}
                 self.verify(probe) if cfg.verify_sync else None
@@ -353,6 +428,10 @@ class RLLoop:
             for k, v in m.items():
                 if k != "step":
                     tb.add_scalar(f"rl/{k}", v, step + 1)
+            if cfg.train.save_steps and (step + 1) % cfg.train.save_steps == 0 and step + 1 < cfg.max_steps:
+                self.save_state(step + 1, probe)
+            if os.environ.get("RLHF_FAULT_STEP") == str(step + 1):  # test hook: the task dies here
+                raise RuntimeError(f"injected fault after RL step {step + 1}")
         final = self.evaluate()
         tb.close()
         return {"initial_eval": initial, "final_eval": final, "last_step": history[-1] if history else {}}

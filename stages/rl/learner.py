@@ -138,6 +138,15 @@ class Learner:
         out = self.logprobs(batch)["logp"]
         return out if self.rank == 0 else None
 
+    def save_state(self, path: str, step: int) -> bool:
+        """DeepSpeed checkpoint of the policy engine (weights, optimizer, scheduler); collective."""
+        self.eng.engine.save_checkpoint(path, tag=f"step{step}", client_state={"step": step})
+        return True
+
+    def load_state(self, path: str) -> int:
+        _, client = self.eng.engine.load_checkpoint(path)
+        return int(client["step"])
+
     def export(self, out_dir: str, tokenizer_path: str) -> bool:
         from pathlib import Path
 

@@ -104,3 +104,44 @@ class HttpReward:
                 if attempt < self.retries:
                     time.sleep(min(0.2 * 2**attempt, 2.0))
         raise RewardError(f"{self.source}: failed {self.retries + 1} times ({'; '.join(errors)})")
+
+
+class RewardModelScorer:
+    """A reward-model checkpoint scoring token-id sequences (run as a Ray actor by the RL driver).
+
+    Scores are read at each sequence's last token (``stages.reward_model.score_padded``); with
+    ``normalize`` they become (score - reward_mean) / reward_std from the checkpoint's config.
+    """
+
+    def __init__(self, path: str, normalize: bool, batch_size: int = 64):
+        from transformers import AutoModelForSequenceClassification
+
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32).eval()
+        cfg = self.model.config
+        self.pad = cfg.pad_token_id
+        self.batch_size = batch_size
+        self.source = f"reward model {path}"
+        self.norm = None
+        if normalize:
+            mean, std = getattr(cfg, "reward_mean", None), getattr(cfg, "reward_std", None)
+            if mean is None or not std:
+                raise RewardError(f"{self.source}: normalize_reward needs reward_mean/reward_std in its config.json (train it with eval_data)")
+            self.norm = (float(mean), float(std))
+
+    def score(self, sequences: list[list[int]]) -> list[float]:
+        from stages.reward_model import score_padded
+
+        out = []
+        with torch.no_grad():
+            for i in range(0, len(sequences), self.batch_size):
+                chunk = sequences[i : i + self.batch_size]
+                width = max(map(len, chunk))
+                ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for j, s in enumerate(chunk):
+                    ids[j, : len(s)] = torch.tensor(s)
+                    mask[j, : len(s)] = 1
+                out += score_padded(self.model, ids, mask).tolist()
+        if self.norm is not None:
+            out = [(s - self.norm[0]) / self.norm[1] for s in out]
+        return out

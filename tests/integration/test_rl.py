@@ -125,3 +125,50 @@ def test_bad_reward_source_and_config_fail_before_ray_starts(task_files, sft_pol
     with pytest.raises(RewardError, match=r"reward func .*bad.py: 'rewards' has non-finite values"):
         run_rl(_config(task_files, tmp_path, bad, train__world_size=1, train__zero_stage=2), sft_policy)
     assert ray_processes() == []
+
+
+def test_interrupted_rl_run_resumes_to_the_same_trajectory(task_files, sft_policy, tmp_path, monkeypatch):
+    arith = ROOT / "recipes/rewards/arithmetic.py"
+    common = {"max_steps": 4, "train__world_size": 1, "train__zero_stage": 2, "train__save_steps": 2}
+    full = _metrics(run_rl(_config(task_files, tmp_path / "a", arith, **common), sft_policy))
+    cfg = _config(task_files, tmp_path / "b", arith, **common)
+    monkeypatch.setenv("RLHF_FAULT_STEP", "3")
+    with pytest.raises(RuntimeError, match="injected fault after RL step 3"):
+        run_rl(cfg, sft_policy)
+    monkeypatch.delenv("RLHF_FAULT_STEP")
+    assert ray_processes() == []
+    resumed = _metrics(run_rl(_config(task_files, tmp_path / "b", arith, **common, train__resume=True), sft_policy))
+    assert [s["step"] for s in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"]
+        assert abs(a["policy_loss"] - b["policy_loss"]) < 1e-6
+    assert resumed[2]["sync_logprob_diff"] <= 1e-3  # the resumed weights were pushed and verified
+
+
+def test_reward_model_as_the_reward_source(task_files, sft_policy, tokenizer, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from stages.reward_model import RewardModelConfig, run_reward_model, score_padded
+
+    rm = run_reward_model(RewardModelConfig.model_validate({
+        "data": {"paths": [str(task_files["preference"])], "max_len": 64},
+        "eval_data": {"paths": [str(task_files["preference_eval"])], "max_len": 64},
+        "train": {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 8, "max_steps": 2, "progress_bar": False},
+        "output_root": str(tmp_path),
+    }), sft_policy)
+    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", reward={"model": rm.path},
+                  max_steps=1, log_rollouts_every=1, train__world_size=1, train__zero_stage=2,
+                  algo__normalize_reward=True)
+    out = run_rl(cfg, sft_policy)
+    rows = [json.loads(ln) for ln in (Path(out.path).parent / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert len(rows) == 32
+    model = AutoModelForSequenceClassification.from_pretrained(rm.path, num_labels=1, dtype=torch.float32).eval()
+    mean, std = model.config.reward_mean, model.config.reward_std
+    with torch.no_grad():
+        for r in rows[:6]:
+            ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+            score = score_padded(model, ids, torch.ones_like(ids)).item()
+            assert r["reward"] == pytest.approx((score - mean) / std, abs=1e-4)
+    with pytest.raises(Exception, match=r"a 'full' checkpoint \(from stage 'sft'\) was given as the RL reward model"):
+        run_rl(_config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", reward={"model": sft_policy.path},
+                       train__world_size=1), sft_policy)
