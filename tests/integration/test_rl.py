@@ -172,3 +172,35 @@ def test_reward_model_as_the_reward_source(task_files, sft_policy, tokenizer, tm
     with pytest.raises(Exception, match=r"a 'full' checkpoint \(from stage 'sft'\) was given as the RL reward model"):
         run_rl(_config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", reward={"model": sft_policy.path},
                        train__world_size=1), sft_policy)
+
+
+def test_sigterm_mid_run_leaves_no_ray_process(task_files, sft_policy, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", max_steps=500,
+                  train__world_size=1, train__zero_stage=2)
+    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
+    script = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from checkpoints import load_ref\nfrom stages.rl.config import RLConfig\nfrom stages.rl.driver import run_rl\n"
+        "run_rl(RLConfig.model_validate_json(open(%r).read()), load_ref(%r))\n"
+    ) % (str(ROOT), str(tmp_path / "cfg.json"), sft_policy.path)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    metrics = None
+    while time.time() < deadline and proc.poll() is None:
+        found = list(tmp_path.glob("rl-*/metrics.jsonl"))
+        if found and found[0].read_text().count("\n") >= 2:
+            metrics = found[0]
+            break
+        time.sleep(1)
+    assert metrics is not None, "the RL run did not reach step 2"
+    assert ray_processes() != []
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    time.sleep(2)
+    assert ray_processes() == []
+    assert not list(tmp_path.glob("rl-*/checkpoint"))
