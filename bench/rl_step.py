@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         results = [
             trl_step(model, prompts, labels, group, tokens, steps, checkpointing=True),
             trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False),
-            ours_step(model, group, n_prompts, tokens, steps, "bf16"),
+            ours_step(model, group, n_prompts, tokens, steps, "fp32"),
         ]
     best_trl = max(r["samples_per_s"] for r in results[:2])
     for r in results:

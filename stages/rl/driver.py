@@ -149,12 +149,17 @@ class RLLoop:
         self.policy_path = policy_path
         n = cfg.train.world_size
         updates_per_step = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.train_batch_size
+        # Ray pins OMP_NUM_THREADS to an actor's CPU count (1 for num_cpus=0): give each its share of the
+        # machine instead; learners and engines take turns, so the engines may use every core
+        cores = os.cpu_count() or 1
+        learner_env = {"env_vars": {**_env(), "OMP_NUM_THREADS": str(max(1, cores // n))}}
+        engine_env = {"env_vars": {**_env(), "OMP_NUM_THREADS": str(cores)}}
         learner_cls = ray.remote(num_cpus=1)(Learner)
-        self.learners = [learner_cls.remote(r, n) for r in range(n)]
+        self.learners = [learner_cls.options(runtime_env=learner_env).remote(r, n) for r in range(n)]
         master = ray.get(self.learners[0].address.remote())
         total = cfg.max_steps * updates_per_step * cfg.algo.ppo_epochs
         ray.get([lr.setup.remote(cfg.model_dump(mode="json"), policy_path, total, master) for lr in self.learners])
-        engine_cls = ray.remote(num_cpus=0)(RolloutEngine)
+        engine_cls = ray.remote(num_cpus=0)(RolloutEngine).options(runtime_env=engine_env)
         self.engines = [
             engine_cls.remote(policy_path, seed=cfg.seed + i, dtype=cfg.rollout.dtype, max_model_len=cfg.rollout.max_model_len)
             for i in range(cfg.rollout.num_engines)
@@ -162,7 +167,10 @@ class RLLoop:
         ray.get([e.ready.remote() for e in self.engines])
         self.reward_actor = None
         if reward_model_path:  # the reward model is served from its own actor, sharing the CPUs like vLLM
-            self.reward_actor = ray.remote(num_cpus=0)(RewardModelScorer).remote(reward_model_path, cfg.algo.normalize_reward)
+            self.reward_actor = (
+                ray.remote(num_cpus=0)(RewardModelScorer).options(runtime_env=engine_env)
+                .remote(reward_model_path, cfg.algo.normalize_reward)
+            )
         self.kl_coef = cfg.algo.init_kl_coef
         self.prompt_ids = [self._render(r) for r in rows]
 
@@ -221,10 +229,18 @@ class RLLoop:
         size = batch["input_ids"].shape[0] // n
         return [{k: v[r * size : (r + 1) * size] for k, v in batch.items()} for r in range(n)]
 
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout: the policy that sampled is the one being updated."""
+        samples = self.cfg.rollout.rollout_batch_size * self.cfg.rollout.n_samples_per_prompt
+        kl_reward = self.cfg.algo.init_kl_coef > 0 and self.cfg.algo.kl_in_reward  # needs them before the update
+        return self.cfg.algo.ppo_epochs == 1 and samples == self.cfg.train.train_batch_size and not kl_reward
+
     def logprobs(self, batch):
+        """Old-policy log-probs (skipped when on-policy: then they equal the current ones) and reference log-probs."""
         import ray
 
-        outs = ray.get([lr.logprobs.remote(s) for lr, s in zip(self.learners, self._shards(batch))])
+        outs = ray.get([lr.logprobs.remote(s, policy=not self.on_policy) for lr, s in zip(self.learners, self._shards(batch))])
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
 
     def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -249,6 +265,7 @@ class RLLoop:
         tokens = max(sums.pop("tokens"), 1.0)
         epochs = self.cfg.algo.ppo_epochs
         return {
+            "kl_sum": sums["kl"] / epochs,
             "policy_loss": sums["policy_loss"] / tokens,
             "clip_ratio": sums["clip_ratio"] / tokens,
             "entropy": sums["entropy"] / tokens,
@@ -378,7 +395,7 @@ class RLLoop:
             t["reference_s"] = time.perf_counter() - t1
             mask = batch["response_mask"].float()
             kl = None
-            if "ref_logp" in lps:
+            if "ref_logp" in lps and "logp" in lps:
                 kl = KL_ESTIMATORS[algo.kl_estimator](lps["logp"], lps["ref_logp"]) * mask
             scores = rewards["rewards"].double()
             lengths = mask.sum(-1)
@@ -391,7 +408,9 @@ class RLLoop:
                 kl_coef=self.kl_coef, gamma=algo.gamma, reward_clip=algo.reward_clip,
             )
             advantages, _ = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](adv_in)
-            train_batch = {**batch, "old_logp": lps["logp"], "advantages": advantages.float()}
+            train_batch = {**batch, "advantages": advantages.float()}
+            if "logp" in lps:
+                train_batch["old_logp"] = lps["logp"]
             if "ref_logp" in lps:
                 train_batch["ref_logp"] = lps["ref_logp"]
             t1 = time.perf_counter()
@@ -400,7 +419,11 @@ class RLLoop:
             t1 = time.perf_counter()
             sync_mean, sync_max = self.sync(probe)
             t["sync_s"] = time.perf_counter() - t1
-            mean_kl = float((kl.sum() / mask.sum()).item()) if kl is not None else 0.0
+            if kl is not None:
+                mean_kl = float((kl.sum() / mask.sum()).item())
+            else:  # measured by the learners during the update (KL as a loss term, or no reference)
+                mean_kl = train_metrics.pop("kl_sum") / max(float(mask.sum()), 1.0)
+            train_metrics.pop("kl_sum", None)
             if algo.kl_target is not None and kl is not None:  # adaptive KL (Ziegler et al. 2019)
                 err = max(min(mean_kl / algo.kl_target - 1, 0.2), -0.2)
                 self.kl_coef *= 1 + err * ro.rollout_batch_size * ro.n_samples_per_prompt / algo.kl_horizon

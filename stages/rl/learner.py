@@ -46,6 +46,7 @@ class Learner:
             WORLD_SIZE=str(self.world_size), MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
         )
         self.cfg = RLConfig.model_validate(config)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         trainer.init_distributed()
         self.eng = trainer.build_engine(
             policy_path, self.cfg.train, self.cfg.lora, total_updates,
@@ -65,16 +66,17 @@ class Learner:
         logp = token_logps(out.logits, batch["input_ids"].to(device()))
         return (logp, _entropy(out.logits)) if with_entropy else logp
 
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Policy (and reference) log-probs of this rank's shard, micro-batch by micro-batch."""
+    def logprobs(self, batch: dict[str, torch.Tensor], policy: bool = True, reference: bool = True) -> dict[str, torch.Tensor]:
+        """Policy and/or reference log-probs of this rank's shard, micro-batch by micro-batch."""
         micro = self.cfg.train.micro_train_batch_size
         out: dict[str, list[torch.Tensor]] = {"logp": [], "ref_logp": []}
         self.eng.engine.eval()
         with torch.no_grad():
             for i in range(0, batch["input_ids"].shape[0], micro):
                 part = {k: v[i : i + micro] for k, v in batch.items()}
-                out["logp"].append(self._forward_logps(self.eng.engine, part).float().cpu())
-                if self.ref is not None:
+                if policy:
+                    out["logp"].append(self._forward_logps(self.eng.engine, part).float().cpu())
+                if reference and self.ref is not None:
                     out["ref_logp"].append(self._forward_logps(self.ref, part).float().cpu())
         self.eng.engine.train()
         return {k: torch.cat(v) for k, v in out.items() if v}
@@ -97,8 +99,10 @@ class Learner:
                 part = {k: v[i : i + micro].to(device()) for k, v in b.items()}
                 mask = part["response_mask"].float()
                 logp, entropy = self._forward_logps(engine, part, with_entropy=True)
+                # on-policy with one update per rollout: the behaviour policy is the current one
+                old_logp = part["old_logp"] if "old_logp" in part else logp.detach()
                 inp = PolicyLossInput(
-                    logp, part["old_logp"], part["advantages"], mask,
+                    logp, old_logp, part["advantages"], mask,
                     algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip,
                 )
                 per_token, clipped = policy_loss(inp)
@@ -108,7 +112,7 @@ class Learner:
                     loss = loss + kl_coef * aggregate(kl, mask, algo.loss_agg, norm)
                 engine.backward(loss * scale)
                 engine.step()
-                sums["policy_loss"] += float((per_token * mask).sum())
+                sums["policy_loss"] += float((per_token.detach() * mask).sum())
                 sums["clip_ratio"] += float(clipped.float().sum())
                 sums["entropy"] += float((entropy * mask).sum())
                 sums["kl"] += float(kl.detach().sum())

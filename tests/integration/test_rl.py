@@ -184,10 +184,10 @@ def test_sigterm_mid_run_leaves_no_ray_process(task_files, sft_policy, tmp_path)
                   train__world_size=1, train__zero_stage=2)
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
     script = (
-        "import sys; sys.path.insert(0, %r)\n"
+        "import sys; sys.path.insert(0, {!r})\n"
         "from checkpoints import load_ref\nfrom stages.rl.config import RLConfig\nfrom stages.rl.driver import run_rl\n"
-        "run_rl(RLConfig.model_validate_json(open(%r).read()), load_ref(%r))\n"
-    ) % (str(ROOT), str(tmp_path / "cfg.json"), sft_policy.path)
+        "run_rl(RLConfig.model_validate_json(open({!r}).read()), load_ref({!r}))\n"
+    ).format(str(ROOT), str(tmp_path / "cfg.json"), sft_policy.path)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     metrics = None
