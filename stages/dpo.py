@@ -26,7 +26,6 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
-from datasets_prep.packing import check_batch_sizes
 from datasets_prep.preference import (
     PackedPairs,
     PairExample,
@@ -40,7 +39,7 @@ from datasets_prep.preference import (
 from stages.common.config import LoraConfig, TrainConfig
 from stages.common.logprobs import token_logps
 from stages.common.preference_losses import PolicyPair, dpo_loss
-from stages.common.stage_run import read_items, total_steps, train_and_commit
+from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
 
 STAGE = "dpo"
 
@@ -83,10 +82,7 @@ def run_dpo(config: DPOConfig, policy: CheckpointRef, reference: CheckpointRef |
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
     pairs, report = prepare_pairs(config.data, tokenizer)
     items = pack_pairs(pairs, config.data.max_len) if config.data.packing else pairs
-    check_batch_sizes(
-        config.train.train_batch_size, config.train.micro_train_batch_size, config.train.world_size, len(items),
-        where=", ".join(config.data.paths),
-    )
+    check_data_fits(config.train, len(items), config.data.paths)
     print(f"[dpo] data: {report.summary()}")
     return train_and_commit(
         stage=STAGE,

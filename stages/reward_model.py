@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
-from datasets_prep.packing import check_batch_sizes
 from datasets_prep.preference import (
     PackedPairs,
     PairExample,
@@ -35,7 +34,7 @@ from datasets_prep.preference import (
 )
 from stages.common.config import LoraConfig, TrainConfig
 from stages.common.preference_losses import RewardPair, reward_loss
-from stages.common.stage_run import read_items, total_steps, train_and_commit
+from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
 
 STAGE = "reward_model"
 
@@ -64,10 +63,7 @@ def run_reward_model(config: RewardModelConfig, base: CheckpointRef) -> Checkpoi
     pairs, report = prepare_pairs(config.data, tokenizer)
     eval_pairs = prepare_pairs(config.eval_data, tokenizer)[0] if config.eval_data else []
     items = pack_pairs(pairs, config.data.max_len) if config.data.packing else pairs
-    check_batch_sizes(
-        config.train.train_batch_size, config.train.micro_train_batch_size, config.train.world_size, len(items),
-        where=", ".join(config.data.paths),
-    )
+    check_data_fits(config.train, len(items), config.data.paths)
     print(f"[reward_model] data: {report.summary()}; {len(eval_pairs)} eval pairs")
     return train_and_commit(
         stage=STAGE,

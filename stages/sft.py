@@ -15,11 +15,11 @@ from pydantic import BaseModel, ConfigDict
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
-from datasets_prep.packing import PackedRow, check_batch_sizes, collate, loss_tokens, pack
+from datasets_prep.packing import PackedRow, collate, loss_tokens, pack
 from datasets_prep.sft import Example, prepare_sft
 from stages.common.config import LoraConfig, TrainConfig
 from stages.common.logprobs import masked_sum, token_logps
-from stages.common.stage_run import read_items, total_steps, train_and_commit
+from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
 
 STAGE = "sft"
 
@@ -45,10 +45,7 @@ def run_sft(config: SFTConfig, base: CheckpointRef) -> CheckpointRef:
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     examples, report = prepare_sft(config.data, tokenizer)
     items: list[Example] | list[PackedRow] = pack(examples, config.data.max_len) if config.data.packing else examples
-    check_batch_sizes(
-        config.train.train_batch_size, config.train.micro_train_batch_size, config.train.world_size, len(items),
-        where=", ".join(config.data.paths),
-    )
+    check_data_fits(config.train, len(items), config.data.paths)
     print(f"[sft] data: {report.summary()}" + (f"; packed into {len(items)} rows" if config.data.packing else ""))
     return train_and_commit(
         stage=STAGE,

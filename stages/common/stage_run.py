@@ -30,6 +30,13 @@ def run_key(stage: str, config: BaseModel, *inputs: CheckpointRef | None) -> str
     return config_hash({"stage": stage, "config": cfg, "inputs": [r.digest if r else None for r in inputs]})
 
 
+def check_data_fits(train, num_items: int, paths: list[str]) -> None:
+    """The global batch splits over ranks and micro-batches, and the data holds at least one batch."""
+    from datasets_prep.packing import check_batch_sizes
+
+    check_batch_sizes(train.train_batch_size, train.micro_train_batch_size, train.world_size, num_items, ", ".join(paths))
+
+
 def total_steps(train, num_items: int) -> int:
     return train.max_steps or (num_items // train.train_batch_size) * train.num_epochs
 

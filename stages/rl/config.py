@@ -78,6 +78,9 @@ class RayConfig(BaseModel):
 
     address: str | None = None  # None: start a private local cluster for this task
     num_cpus: int | None = None
+    # GPU: vLLM engines share the learners' GPUs (fractional GPU per actor) instead of their own.
+    # On CPU, engines never reserve CPUs (they run while the learners wait), so this changes nothing.
+    colocate_all: bool = False
 
 
 class RLConfig(BaseModel):

@@ -136,6 +136,40 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
         return commit(tmp, dest, stage=STAGE, kind="full", config_hash=key, parent=policy, extra=summary)
 
 
+def place(cfg: RLConfig):
+    """A placement group for the task's actors and the options that put each actor in its bundle.
+
+    CPU: one 1-CPU bundle per learner rank; engines and the reward model take no CPU reservation (they
+    run while the learners wait). GPU: one GPU per learner rank, and per engine ``tensor_parallel_size``
+    GPUs of their own, or with ``ray.colocate_all`` a share of the learners' GPUs.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    n, engines = cfg.train.world_size, cfg.rollout.num_engines
+    gpu = torch.cuda.is_available()
+    bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(n)]
+    own_engine_bundles = gpu and not cfg.ray.colocate_all
+    if own_engine_bundles:
+        bundles += [{"GPU": cfg.rollout.tensor_parallel_size} for _ in range(engines)]
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready())
+
+    def at(bundle: int) -> dict:
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)}
+
+    def learner_opts(rank: int) -> dict:
+        return {"num_cpus": 1, "num_gpus": (0.5 if cfg.ray.colocate_all else 1) if gpu else 0, **at(rank)}
+
+    def engine_opts(i: int) -> dict:
+        if own_engine_bundles:
+            return {"num_cpus": 0, "num_gpus": cfg.rollout.tensor_parallel_size, **at(n + i)}
+        return {"num_cpus": 0, "num_gpus": (0.5 / max(1, engines // n)) if gpu else 0, **at(i % n)}
+
+    return pg, learner_opts, engine_opts
+
+
 class RLLoop:
     def __init__(self, cfg: RLConfig, policy_path: str, tokenizer, rows, eval_rows, reward_fn, run_dir: Path,
                  reward_model_path: str | None = None):
@@ -154,14 +188,17 @@ class RLLoop:
         cores = os.cpu_count() or 1
         learner_env = {"env_vars": {**_env(), "OMP_NUM_THREADS": str(max(1, cores // n))}}
         engine_env = {"env_vars": {**_env(), "OMP_NUM_THREADS": str(cores)}}
-        learner_cls = ray.remote(num_cpus=1)(Learner)
-        self.learners = [learner_cls.options(runtime_env=learner_env).remote(r, n) for r in range(n)]
+        self.pg, learner_opts, engine_opts = place(cfg)
+        self.learners = [
+            ray.remote(Learner).options(runtime_env=learner_env, **learner_opts(r)).remote(r, n) for r in range(n)
+        ]
         master = ray.get(self.learners[0].address.remote())
         total = cfg.max_steps * updates_per_step * cfg.algo.ppo_epochs
         ray.get([lr.setup.remote(cfg.model_dump(mode="json"), policy_path, total, master) for lr in self.learners])
-        engine_cls = ray.remote(num_cpus=0)(RolloutEngine).options(runtime_env=engine_env)
         self.engines = [
-            engine_cls.remote(policy_path, seed=cfg.seed + i, dtype=cfg.rollout.dtype, max_model_len=cfg.rollout.max_model_len)
+            ray.remote(RolloutEngine).options(runtime_env=engine_env, **engine_opts(i)).remote(
+                policy_path, seed=cfg.seed + i, dtype=cfg.rollout.dtype, max_model_len=cfg.rollout.max_model_len
+            )
             for i in range(cfg.rollout.num_engines)
         ]
         ray.get([e.ready.remote() for e in self.engines])
