@@ -11,7 +11,7 @@ export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup run test test-unit lint bench clean
+.PHONY: setup run test test-unit lint bench bench-rl-gain clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,15 @@ test-unit: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# benchmarks print a table and write bench/results/*.json; TRL is a bench-only peer
 bench: setup
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev,bench]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -m bench.sft_throughput
+	$(PY) -m bench.rl_step
+
+bench-rl-gain: setup
+	$(PY) -m bench.rl_gain
 
 clean:
 	rm -rf runs .cache

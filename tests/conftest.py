@@ -42,6 +42,20 @@ def task_files(tmp_path_factory) -> dict[str, Path]:
     return write_task_files(tmp_path_factory.mktemp("task"), seed=0, sizes=sizes)
 
 
+@pytest.fixture(scope="session")
+def micro_sft(task_files, micro_model, tmp_path_factory):
+    """The micro model after a short SFT (20 steps), so its distributions are far from uniform."""
+    from stages.sft import SFTConfig, run_sft
+
+    cfg = SFTConfig.model_validate({
+        "data": {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None, "max_len": 64, "packing": True},
+        "train": {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 8, "max_steps": 20, "lr": 5e-3,
+                  "progress_bar": False},
+        "output_root": str(tmp_path_factory.mktemp("micro_sft")),
+    })
+    return run_sft(cfg, micro_model)
+
+
 def no_worker_processes(under: Path | str) -> list[str]:
     """Command lines of training ranks still alive whose run folder is under ``under``."""
     import psutil

@@ -27,13 +27,8 @@ def _metrics(ref) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def sft_model(task_files, micro_model, tmp_path_factory):
-    cfg = SFTConfig.model_validate({
-        "data": {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None, "max_len": 64, "packing": True},
-        "train": {**TRAIN, "max_steps": 15, "lr": 5e-3},
-        "output_root": str(tmp_path_factory.mktemp("sft")),
-    })
-    return run_sft(cfg, micro_model)
+def sft_model(micro_sft):
+    return micro_sft
 
 
 def test_reward_model_zero3_two_ranks_learns_and_loads_in_auto_class(task_files, sft_model, tokenizer, tmp_path):

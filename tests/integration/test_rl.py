@@ -11,7 +11,6 @@ from checkpoints import read_manifest, verify
 from stages.rl.config import RLConfig
 from stages.rl.driver import SyncError, run_rl
 from stages.rl.rewards import RewardError
-from stages.sft import SFTConfig, run_sft
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,13 +26,8 @@ def ray_processes() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sft_policy(task_files, micro_model, tmp_path_factory):
-    cfg = SFTConfig.model_validate({
-        "data": {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None, "max_len": 64, "packing": True},
-        "train": {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 8, "max_steps": 20, "lr": 5e-3, "progress_bar": False},
-        "output_root": str(tmp_path_factory.mktemp("sft")),
-    })
-    return run_sft(cfg, micro_model)
+def sft_policy(micro_sft):
+    return micro_sft
 
 
 def _config(task_files, root, reward_func, **over) -> RLConfig:

@@ -12,16 +12,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def trained(task_files, micro_model, tmp_path_factory):
-    """A micro model after a short SFT, so its distributions are far from uniform."""
-    from stages.sft import SFTConfig, run_sft
-
-    cfg = SFTConfig.model_validate({
-        "data": {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None, "max_len": 64, "packing": True},
-        "train": {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 8, "max_steps": 20, "lr": 5e-3, "progress_bar": False},
-        "output_root": str(tmp_path_factory.mktemp("runs")),
-    })
-    return run_sft(cfg, micro_model)
+def trained(micro_sft):
+    return micro_sft
 
 
 def test_vllm_logprobs_match_transformers_on_the_sft_output(trained, tokenizer, tmp_path):
