@@ -36,10 +36,8 @@ class PrepReport:
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (
-            f"{self.rows} rows -> {self.kept} examples ({self.truncated} truncated, {self.dropped} dropped "
-            f"over max_len), {self.loss_tokens} loss tokens"
-        )
+        text = f"{self.rows} rows -> {self.kept} examples ({self.truncated} truncated, {self.dropped} dropped over max_len)"
+        return text + (f", {self.loss_tokens} loss tokens" if self.loss_tokens else "")
 
 
 def check_sft_row(config: DataConfig):
