@@ -152,6 +152,17 @@ def require_text(row: dict, key: str, where: str, role: str, allow_messages: boo
     raise DataError(f"{where}: field '{key}' has type {type(value).__name__} (value {value!r:.60}); expected {expected}")
 
 
+def check_prompt_label_row(config: DataConfig):
+    """Row check for prompt datasets with a label (RL prompts, eval prompts)."""
+
+    def check(row: dict, where: str) -> None:
+        require_text(row, config.prompt_key, where, "prompt_key", allow_messages=True)
+        if row.get(config.label_key) is None:
+            raise DataError(f"{where}: key '{config.label_key}' missing (label_key='{config.label_key}')")
+
+    return check
+
+
 def check_messages(messages: list, where: str, key: str) -> None:
     if not messages:
         raise DataError(f"{where}: field '{key}' is an empty message list")

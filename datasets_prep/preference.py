@@ -113,6 +113,13 @@ def pack_pairs(pairs: Sequence[PairExample], max_len: int) -> list[PackedPairs]:
     return rows
 
 
+def pair_items_from_json(rows: list[dict], packed: bool) -> list[PairExample | PackedPairs]:
+    """Rebuild items written as ``dataclasses.asdict`` (the stages hand them to their ranks as JSON)."""
+    if packed:
+        return [PackedPairs([PairExample(**p) for p in d["pairs"]]) for d in rows]
+    return [PairExample(**d) for d in rows]
+
+
 def pairs_of(items: Sequence[PairExample | PackedPairs]) -> list[PairExample]:
     return [p for it in items for p in (it.pairs if isinstance(it, PackedPairs) else [it])]
 

@@ -27,11 +27,10 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
 from datasets_prep.preference import (
-    PackedPairs,
-    PairExample,
     collate_pairs,
     num_pairs,
     pack_pairs,
+    pair_items_from_json,
     pairs_of,
     prepare_pairs,
     sequence_sums,
@@ -188,9 +187,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
 
     config = DPOConfig.model_validate(job["config"])
     trainer.init_distributed()
-    items = [
-        PackedPairs([PairExample(**p) for p in d["pairs"]]) if job["packed"] else PairExample(**d) for d in read_items(job)
-    ]
+    items = pair_items_from_json(read_items(job), job["packed"])
     tokenizer = AutoTokenizer.from_pretrained(job["base_path"])
     pad = tokenizer.pad_token_id
     total = total_steps(config.train, len(items))

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from checkpoints import CheckpointRef, load_ref, require_kind, verify
-from datasets_prep.loading import DataConfig, load_rows, require_text
+from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
 from stages.common.launcher import launch
 
 
@@ -32,7 +32,7 @@ class EvalConfig(BaseModel):
 
 def run_eval(config: EvalConfig, *models: CheckpointRef) -> dict[str, dict[str, float]]:
     """Metrics per checkpoint, keyed by ``stage:digest[:8]``."""
-    rows = load_rows(config.data, _check_row(config.data))
+    rows = load_rows(config.data, check_prompt_label_row(config.data))
     results = {}
     for ref in models:
         verify(ref)
@@ -41,15 +41,6 @@ def run_eval(config: EvalConfig, *models: CheckpointRef) -> dict[str, dict[str, 
         job = {"config": config.model_dump(mode="json"), "model": ref.path, "rows": rows}
         results[f"{ref.stage}:{ref.digest[:8]}"] = launch("stages.eval:eval_rank", job, 1, run_dir)
     return results
-
-
-def _check_row(data: DataConfig):
-    def check(row: dict, where: str) -> None:
-        require_text(row, data.prompt_key, where, "prompt_key", allow_messages=True)
-        if data.label_key not in row:
-            raise ValueError(f"{where}: key '{data.label_key}' missing (label_key='{data.label_key}')")
-
-    return check
 
 
 def eval_rank(job: dict, rank: int, world_size: int) -> dict[str, float]:

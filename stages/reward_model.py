@@ -25,11 +25,11 @@ from pydantic import BaseModel, ConfigDict
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
 from datasets_prep.preference import (
-    PackedPairs,
     PairExample,
     collate_pairs,
     num_pairs,
     pack_pairs,
+    pair_items_from_json,
     prepare_pairs,
 )
 from stages.common.config import LoraConfig, TrainConfig
@@ -132,9 +132,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
 
     config = RewardModelConfig.model_validate(job["config"])
     trainer.init_distributed()
-    items = [
-        PackedPairs([PairExample(**p) for p in d["pairs"]]) if job["packed"] else PairExample(**d) for d in read_items(job)
-    ]
+    items = pair_items_from_json(read_items(job), job["packed"])
     eval_pairs = [PairExample(**p) for p in job["eval_pairs"]]
     tokenizer = AutoTokenizer.from_pretrained(job["base_path"])
     pad = tokenizer.pad_token_id

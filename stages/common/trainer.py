@@ -243,15 +243,20 @@ def fit(
     return history
 
 
-def export_hf(eng: Engine, out_dir: Path, tokenizer, rank: int) -> None:
-    """Write the trained model (or the LoRA adapter) as an HF folder on rank 0, ZeRO-3 gathered."""
+def gathered(eng: Engine):
+    """Full parameters on every rank inside the block (ZeRO-3 gathers them; other stages hold them whole)."""
     import deepspeed
 
+    if eng.ds_config["zero_optimization"]["stage"] != 3:
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters(list(eng.engine.module.parameters()), modifier_rank=None)
+
+
+def export_hf(eng: Engine, out_dir: Path, tokenizer, rank: int) -> None:
+    """Write the trained model (or the LoRA adapter) as an HF folder on rank 0, ZeRO-3 gathered."""
+
     module = eng.engine.module
-    params = list(module.parameters())
-    zero3 = eng.ds_config["zero_optimization"]["stage"] == 3
-    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else nullcontext()
-    with gather:
+    with gathered(eng):
         if rank == 0:
             module.save_pretrained(str(out_dir), safe_serialization=True)
             if tokenizer is not None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from checkpoints import CheckpointRef, commit, require_kind, staging, verify
-from datasets_prep.loading import DataConfig, load_rows, require_text
+from datasets_prep.loading import check_prompt_label_row, load_rows
 from datasets_prep.packing import BatchSchedule
 from datasets_prep.sft import render_prompt
 from stages.common.launcher import PROJECT_ROOT
@@ -40,15 +40,6 @@ STAGE = "rl"
 
 class SyncError(RuntimeError):
     """vLLM's log-probs after a weight push do not match the learner's."""
-
-
-def check_prompt_rows(data: DataConfig):
-    def check(row: dict, where: str) -> None:
-        require_text(row, data.prompt_key, where, "prompt_key", allow_messages=True)
-        if row.get(data.label_key) is None:
-            raise ValueError(f"{where}: key '{data.label_key}' missing (label_key='{data.label_key}')")
-
-    return check
 
 
 def make_reward_source(cfg: RLConfig):
@@ -120,8 +111,8 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     else:
         reward_fn = make_reward_source(config)  # fails fast on a bad reward file
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
-    rows = load_rows(config.data, check_prompt_rows(config.data))
-    eval_rows = load_rows(config.eval_data, check_prompt_rows(config.eval_data)) if config.eval_data else []
+    rows = load_rows(config.data, check_prompt_label_row(config.data))
+    eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
     if len(rows) < config.rollout.rollout_batch_size:
         raise ValueError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
     key = run_key(STAGE, config, policy)
@@ -231,7 +222,8 @@ class RLLoop:
                 result[i + j * len(self.engines)] = group
         return result
 
-    def rewards(self, prompts_idx: list[int], groups) -> dict[str, Any]:
+    def rewards(self, rows: list[dict], groups) -> dict[str, Any]:
+        """The reward source's answer for every sample of ``groups`` (one group per row, in order)."""
         if self.reward_actor is not None:
             import ray
 
@@ -240,12 +232,12 @@ class RLLoop:
             seqs = [c.prompt_ids + c.token_ids for group in groups for c in group]
             return check_result({"rewards": ray.get(self.reward_actor.score.remote(seqs))}, len(seqs), "reward model")
         queries, prompts, labels = [], [], []
-        for idx, group in zip(prompts_idx, groups):
+        for row, group in zip(rows, groups):
             prompt_text = self.tok.decode(group[0].prompt_ids)
             for c in group:
                 queries.append(prompt_text + self.tok.decode(c.token_ids, skip_special_tokens=True))
                 prompts.append(prompt_text)
-                labels.append(self.rows[idx][self.cfg.data.label_key])
+                labels.append(row[self.cfg.data.label_key])
         return self.reward_fn(queries, prompts, labels)
 
     def to_batch(self, groups) -> dict[str, torch.Tensor]:
@@ -343,18 +335,12 @@ class RLLoop:
         return mean, worst
 
     def evaluate(self) -> dict[str, float]:
+        """Greedy held-out score: task accuracy from a reward func/endpoint, the mean score from a reward model."""
         if not self.eval_rows:
             return {}
-        prompts = [self._render(r) for r in self.eval_rows]
-        groups = self.generate(prompts, 1, 0.0, self.cfg.seed)
-        queries, texts, labels = [], [], []
-        for row, group in zip(self.eval_rows, groups):
-            text = self.tok.decode(group[0].prompt_ids)
-            queries.append(text + self.tok.decode(group[0].token_ids, skip_special_tokens=True))
-            texts.append(text)
-            labels.append(row[self.cfg.data.label_key])
-        scores = self.reward_fn(queries, texts, labels)["scores"]
-        return {"eval_accuracy": scores.mean().item()}
+        groups = self.generate([self._render(r) for r in self.eval_rows], 1, 0.0, self.cfg.seed)
+        scores = self.rewards(self.eval_rows, groups)["scores"]
+        return {"eval_accuracy" if self.reward_actor is None else "eval_reward": scores.mean().item()}
 
     def save_state(self, step: int, probe: dict[str, torch.Tensor]) -> None:
         """Learner state (DeepSpeed checkpoint) plus the driver's own: the step, the KL coefficient, the probe."""
@@ -419,7 +405,7 @@ class RLLoop:
             groups = self.generate([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature, cfg.seed * 100_003 + step)
             t["generate_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            rewards = self.rewards(idx, groups)
+            rewards = self.rewards([self.rows[i] for i in idx], groups)
             t["reward_s"] = time.perf_counter() - t1
             batch = self.to_batch(groups)
             if cfg.log_rollouts_every and step % cfg.log_rollouts_every == 0:

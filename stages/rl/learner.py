@@ -9,7 +9,6 @@ partitioned like the policy), which is OpenRLHF's ``colocate_actor_ref``.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -125,14 +124,13 @@ class Learner:
 
     def weights_bytes(self, dtype: str) -> bytes | None:
         """The full policy state dict as safetensors bytes on rank 0 (every rank must call: ZeRO-3 gather)."""
-        import deepspeed
         from safetensors.torch import save
 
+        from stages.common.trainer import gathered
+
         module = self.eng.engine.module
-        zero3 = self.eng.ds_config["zero_optimization"]["stage"] == 3
-        gather = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None) if zero3 else nullcontext()
         target = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        with gather:
+        with gathered(self.eng):
             if self.rank != 0:
                 return None
             state = {k: v.detach().to(target).cpu().contiguous().clone() for k, v in module.state_dict().items()}
