@@ -10,8 +10,11 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE ?= 1
+# Prefect's database and cached task results live in the project (make run: ephemeral server, SQLite)
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+PORT ?= 4200
 
-.PHONY: setup run test test-unit lint bench bench-rl-gain clean
+.PHONY: setup run serve nightly test test-unit lint bench bench-rl-gain clean
 
 setup: $(STAMP)
 
@@ -25,8 +28,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m stages.common.warmup
 	touch $(STAMP)
 
+# the full-rlhf flow on the embedded default (recipes/pipelines/tiny.yaml); a second run comes back Cached
 run: setup
-	$(PY) -m stages.default_run
+	$(PY) -m flows.full_rlhf
+
+# a local Prefect server on 127.0.0.1:$(PORT) and the deployments full-rlhf/tiny, nightly-recipe-validation/nightly
+serve: setup
+	$(PY) -m flows.local_server --port $(PORT)
+
+nightly: setup
+	$(PY) -m flows.nightly
 
 test: setup
 	$(PY) -m pytest -q -ra
@@ -48,4 +59,4 @@ bench-rl-gain: setup
 	$(PY) -m bench.rl_gain
 
 clean:
-	rm -rf runs .cache
+	rm -rf runs .cache .prefect

@@ -1,23 +1,41 @@
-"""Held-out evaluation of causal-LM checkpoints with vLLM: task accuracy (greedy pass@1) and length.
+"""Held-out evaluation of causal-LM checkpoints with vLLM, and its report (markdown table + PNG plot).
 
-Prompts are rendered exactly as in training (chat template or ``input_template``), handed to vLLM as
-token ids, decoded greedily, and graded by the task's checker (the built-in addition task: the first
-integer in the response must equal the label). Each checkpoint is evaluated in a subprocess of its
-own, so vLLM's engine never lives in the caller's process.
+Per checkpoint, on held-out prompts rendered exactly as in training (chat template or
+``input_template``) and handed to vLLM as token ids:
 
-Run: ``python -m stages.eval recipes/eval/tiny.yaml models=[runs/.../checkpoint]``
+- ``accuracy``: pass@1 with greedy decoding, graded by the task's checker (the built-in addition
+  task: the first integer in the response must equal the label);
+- ``pass@k``: from ``num_samples`` samples per prompt at ``temperature``, the unbiased estimator of
+  Chen et al. 2021 (``1 - C(n-c, k) / C(n, k)``);
+- ``response_length``: mean greedy response tokens;
+- ``reward``: mean reward-model score of prompt + greedy response, when a reward model is given
+  (normalised with the RM's stored mean/std when it has them);
+- ``kl_to_reference``: when a reference is given, the mean over sampled responses of
+  ``sum_t log p_model - log p_ref`` (the k1 estimate of the sequence KL; exact in expectation when
+  ``temperature`` is 1). Both log-probs come from vLLM's scoring pass on the same token ids.
+
+Each checkpoint is generated from in a subprocess of its own, and one more subprocess scores the
+samples under the reference and the reward model, so vLLM's engine never lives in the caller's
+process. The report (``report.md``, ``report.png``, ``metrics.json``) is written into
+``<output_root>/eval-<key>/``, beside the checkpoints.
+
+Run: ``python -m stages.eval recipes/eval/tiny.yaml 'models=[runs/sft-.../checkpoint]' [reward_model=...] [reference=...]``
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from checkpoints import CheckpointRef, load_ref, require_kind, verify
+from checkpoints import CheckpointRef, config_hash, load_ref, require_kind, verify
 from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
 from stages.common.launcher import launch
+
+METRICS = ("accuracy", "pass@k", "response_length", "reward", "kl_to_reference")
 
 
 class EvalConfig(BaseModel):
@@ -25,25 +43,133 @@ class EvalConfig(BaseModel):
 
     data: DataConfig
     max_new_tokens: int = 16
+    num_samples: int = 8  # sampled responses per prompt, for pass@k and the KL estimate (0: greedy only)
+    pass_k: int = 8
+    temperature: float = 1.0
     seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"  # vLLM's dtype (float32: exact log-probs for the KL)
     models: list[str] = []  # checkpoint folders, when run from the CLI
+    reward_model: str | None = None  # from the CLI; flows pass references
+    reference: str | None = None
     output_root: str = "runs"
 
 
-def run_eval(config: EvalConfig, *models: CheckpointRef) -> dict[str, dict[str, float]]:
-    """Metrics per checkpoint, keyed by ``stage:digest[:8]``."""
+class EvalReport(BaseModel):
+    """What the eval stage returns: metrics per model label and where the report files are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    folder: str
+    markdown: str
+    plot: str
+    metrics: dict[str, dict[str, float | int | None]]
+
+    def files_exist(self) -> bool:
+        return all(Path(p).is_file() for p in (self.markdown, self.plot, Path(self.folder) / "metrics.json"))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def run_eval(
+    config: EvalConfig,
+    *models: CheckpointRef,
+    labels: list[str] | None = None,
+    reward_model: CheckpointRef | None = None,
+    reference: CheckpointRef | None = None,
+) -> EvalReport:
+    """Evaluate ``models`` (labelled ``labels``, default ``stage:digest[:8]``) and write the report."""
+    if not models:
+        raise ValueError("eval: no models to evaluate (give models=[...] or wire stages into the eval stage)")
+    labels = labels or [f"{m.stage}:{m.digest[:8]}" for m in models]
+    if len(labels) != len(models) or len(set(labels)) != len(labels):
+        raise ValueError(f"eval: labels {labels} must be unique, one per model ({len(models)})")
+    if config.num_samples and config.pass_k > config.num_samples:
+        raise ValueError(f"eval: pass_k={config.pass_k} needs num_samples >= pass_k (got num_samples={config.num_samples})")
     rows = load_rows(config.data, check_prompt_label_row(config.data))
-    results = {}
     for ref in models:
         verify(ref)
         require_kind(ref, ("full",), "a model to evaluate (merge adapters first)")
-        run_dir = Path(config.output_root) / f"eval-{ref.digest[:16]}"
-        job = {"config": config.model_dump(mode="json"), "model": ref.path, "rows": rows}
-        results[f"{ref.stage}:{ref.digest[:8]}"] = launch("stages.eval:eval_rank", job, 1, run_dir)
-    return results
+    if reward_model is not None:
+        verify(reward_model)
+        require_kind(reward_model, ("reward",), "the reward model of the eval stage")
+    if reference is not None:
+        verify(reference)
+        require_kind(reference, ("full",), "the KL reference of the eval stage")
+    key = config_hash({
+        "config": config.model_dump(mode="json", exclude={"output_root", "models", "reward_model", "reference"}),
+        "models": [m.digest for m in models], "labels": labels,
+        "reward_model": reward_model.digest if reward_model else None, "reference": reference.digest if reference else None,
+    })
+    folder = Path(config.output_root) / f"eval-{key}"
+    cfg = config.model_dump(mode="json")
+    generated = {}
+    for label, ref in zip(labels, models, strict=True):
+        job = {"config": cfg, "model": ref.path, "rows": rows}
+        generated[label] = launch("stages.eval:generate_rank", job, 1, folder / f"generate-{ref.digest[:16]}")
+    scores = {}
+    if reward_model is not None or reference is not None:
+        job = {"config": cfg, "generated": generated,
+               "reward_model": reward_model.path if reward_model else None, "reference": reference.path if reference else None}
+        scores = launch("stages.eval:score_rank", job, 1, folder / "score")
+    metrics = {}
+    for label in labels:
+        g, s = generated[label], scores.get(label, {})
+        metrics[label] = {
+            "accuracy": g["accuracy"],
+            "pass@k": g["pass_at_k"],
+            "response_length": g["response_length"],
+            "reward": s.get("reward"),
+            "kl_to_reference": s.get("kl_to_reference"),
+            "n": g["n"],
+        }
+    return write_report(folder, config, metrics)
 
 
-def eval_rank(job: dict, rank: int, world_size: int) -> dict[str, float]:
+def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> EvalReport:
+    """``metrics.json``, a markdown table and a PNG bar plot (one panel per metric, a bar per model)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shown = [m for m in METRICS if any(v.get(m) is not None for v in metrics.values())]
+    names = {"pass@k": f"pass@{config.pass_k} (T={config.temperature:g})", "accuracy": "accuracy (greedy pass@1)"}
+    lines = [
+        f"Held-out eval on {', '.join(config.data.paths)} ({next(iter(metrics.values()))['n']} prompts)",
+        "",
+        "| model | " + " | ".join(names.get(m, m) for m in shown) + " |",
+        "|---|" + "---|" * len(shown),
+    ]
+    for label, vals in metrics.items():
+        cells = []
+        for m in shown:
+            v = vals.get(m)
+            cells.append("-" if v is None else f"{v:.1%}" if m in ("accuracy", "pass@k") else f"{v:.3f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    md = "\n".join(lines) + "\n"
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2), squeeze=False)
+    for ax, m in zip(axes[0], shown, strict=True):
+        labels = [label for label in metrics if metrics[label].get(m) is not None]
+        ax.bar(labels, [metrics[label][m] for label in labels], color="tab:blue")
+        ax.set_title(names.get(m, m), fontsize=9)
+        ax.tick_params(axis="x", labelrotation=45, labelsize=8)
+    fig.tight_layout()
+    plot = folder / "report.png"
+    fig.savefig(plot, dpi=100)
+    plt.close(fig)
+    (folder / "report.md").write_text(md)
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return EvalReport(folder=str(folder), markdown=str(folder / "report.md"), plot=str(plot), metrics=metrics)
+
+
+def generate_rank(job: dict, rank: int, world_size: int) -> dict:
+    """Launcher target: greedy and sampled responses of one checkpoint, graded."""
     from transformers import AutoTokenizer
 
     from datasets_prep.sft import render_prompt
@@ -52,25 +178,78 @@ def eval_rank(job: dict, rank: int, world_size: int) -> dict[str, float]:
 
     config = EvalConfig.model_validate(job["config"])
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    rows = job["rows"]
+    labels = [str(r[config.data.label_key]) for r in rows]
     prompts = [
         tokenizer(render_prompt(tokenizer, r[config.data.prompt_key], config.data), add_special_tokens=False)["input_ids"]
-        for r in job["rows"]
+        for r in rows
     ]
-    llm = make_llm(job["model"], seed=config.seed)
-    outs = generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=0.0)
-    correct = [is_correct(o[0].text, str(r[config.data.label_key])) for o, r in zip(outs, job["rows"], strict=True)]
-    return {
+    llm = make_llm(job["model"], seed=config.seed, dtype=config.dtype)
+    greedy = [g[0] for g in generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=0.0)]
+    correct = [is_correct(o.text, a) for o, a in zip(greedy, labels, strict=True)]
+    out = {
         "accuracy": sum(correct) / len(correct),
-        "response_length": sum(len(o[0].token_ids) for o in outs) / len(outs),
-        "n": len(outs),
+        "response_length": sum(len(o.token_ids) for o in greedy) / len(greedy),
+        "n": len(greedy),
+        "greedy": [o.prompt_ids + o.token_ids for o in greedy],
+        "pass_at_k": None,
+        "samples": [],
+        "sample_logps": [],
     }
+    if config.num_samples:
+        sampled = generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                           n=config.num_samples, seed=config.seed)
+        hits = [sum(is_correct(c.text, a) for c in group) for group, a in zip(sampled, labels, strict=True)]
+        out["pass_at_k"] = sum(pass_at_k(config.num_samples, c, config.pass_k) for c in hits) / len(hits)
+        out["samples"] = [[c.prompt_ids, c.token_ids] for group in sampled for c in group]
+        out["sample_logps"] = _response_logps(llm, out["samples"])
+    return out
+
+
+def _response_logps(llm, samples: list[list[list[int]]]) -> list[float]:
+    """Sum of log-probs of each response's tokens given its prompt, from vLLM's scoring pass."""
+    from stages.common.generation import sequence_logprobs
+
+    seqs = [p + r for p, r in samples]
+    return [sum(lps[len(p) - 1 :]) for lps, (p, _) in zip(sequence_logprobs(llm, seqs), samples, strict=True)]
+
+
+def score_rank(job: dict, rank: int, world_size: int) -> dict:
+    """Launcher target: reference log-probs of every model's samples, reward-model scores of greedy responses."""
+    out: dict[str, dict] = {label: {} for label in job["generated"]}
+    if job["reference"]:
+        from stages.common.generation import make_llm
+
+        llm = make_llm(job["reference"], seed=0, dtype=job["config"]["dtype"])
+        for label, g in job["generated"].items():
+            if g["samples"]:
+                ref = _response_logps(llm, g["samples"])
+                out[label]["kl_to_reference"] = sum(a - b for a, b in zip(g["sample_logps"], ref, strict=True)) / len(ref)
+    if job["reward_model"]:
+        from stages.rl.rewards import RewardModelScorer
+
+        scorer = RewardModelScorer(job["reward_model"], normalize=_has_stats(job["reward_model"]))
+        for label, g in job["generated"].items():
+            scores = scorer.score(g["greedy"])
+            out[label]["reward"] = sum(scores) / len(scores)
+    return out
+
+
+def _has_stats(path: str) -> bool:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return cfg.get("reward_mean") is not None and bool(cfg.get("reward_std"))
 
 
 def main(argv: list[str] | None = None) -> None:
+    from stages.common.models import resolve_model
     from stages.common.recipe import load_config
 
     config = load_config(EvalConfig, argv)
-    print(json.dumps(run_eval(config, *(load_ref(m) for m in config.models)), indent=2))
+    resolve = (lambda spec: resolve_model(spec, config.output_root) if spec else None)  # noqa: E731
+    report = run_eval(config, *(load_ref(m) for m in config.models),
+                      reward_model=resolve(config.reward_model), reference=resolve(config.reference))
+    print(Path(report.markdown).read_text())
+    print(f"[eval] report: {report.markdown}, plot: {report.plot}")
 
 
 if __name__ == "__main__":

@@ -46,12 +46,17 @@ class Completion:
 
 
 def generate(llm, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, n: int = 1, seed: int | None = None, logprobs: bool = False) -> list[list[Completion]]:
-    """``n`` completions per prompt, as token ids (never re-tokenized text)."""
+    """``n`` completions per prompt, as token ids (never re-tokenized text).
+
+    With a ``seed``, prompt ``i`` samples with seed ``seed + i``: reproducible, and independent across
+    prompts (one seed for all would make every prompt draw the same random numbers)."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(
-        n=n, temperature=temperature, max_tokens=max_new_tokens, seed=seed, logprobs=0 if logprobs else None
-    )
+    params = [
+        SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, seed=None if seed is None else seed + i,
+                       logprobs=0 if logprobs else None)
+        for i in range(len(prompt_ids))
+    ]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
     result = []
     for p, o in zip(prompt_ids, outs, strict=True):

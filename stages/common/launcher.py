@@ -50,6 +50,17 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launching process dies, however it dies (SIGKILL,
+    OOM), so no rank outlives its stage (Linux prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -87,9 +98,11 @@ def _failure_text(run_dir: Path, rank: int, code: int) -> str:
     return f"rank {rank} died with {how}{hint}; last log lines:\n{tail}"
 
 
-def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout_s: float | None = None) -> dict:
+def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout_s: float | None = None,
+           env: dict[str, str] | None = None) -> dict:
     """Run ``target`` (``module:function(job, rank, world_size) -> dict``) on ``world_size`` ranks.
 
+    ``env`` adds variables to the ranks' environment.
     Returns rank 0's result. Raises :class:`StageFailed` with the failing rank's traceback.
     """
     run_dir = Path(run_dir)
@@ -110,11 +123,12 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
             procs.append(
                 subprocess.Popen(
                     cmd,
-                    env=rank_env(rank, world_size, port),
+                    env={**rank_env(rank, world_size, port), **(env or {})},
                     cwd=os.getcwd(),
                     stdout=out if out else None,
                     stderr=subprocess.STDOUT if out else None,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             )
         start = time.time()

@@ -32,6 +32,19 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+VALIDATION_KEY = "validation"
+
+
+def read_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A stage recipe's config fields, and its optional ``validation:`` block (read by the nightly
+    recipe validation flow only; the stage never sees it)."""
+    data = read_yaml(path)
+    block = data.pop(VALIDATION_KEY, None) or {}
+    if not isinstance(block, dict):
+        raise RecipeError(f"{path}: {VALIDATION_KEY}: expected a mapping, got {type(block).__name__}")
+    return data, block
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` strings; values are parsed as YAML scalars/lists (``lr=1e-5``, ``x=[1,2]``)."""
     for item in overrides:
@@ -75,6 +88,6 @@ def load_config(cls: type[T], argv: list[str] | None = None) -> T:
     source = "<defaults>"
     if argv and "=" not in argv[0]:
         source = argv.pop(0)
-        data = read_yaml(source)
+        data, _ = read_recipe(source)
     data = apply_overrides(data, argv)
     return validate(cls, data, source)

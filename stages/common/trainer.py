@@ -22,6 +22,7 @@ import torch
 
 from datasets_prep.packing import BatchSchedule
 from stages.common.config import LoraConfig, TrainConfig
+from stages.common.progress import report_progress
 
 STATE_DIR = "state"
 
@@ -231,6 +232,8 @@ def fit(
             writer.write(step + 1, metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        if rank == 0:
+            report_progress(step + 1, total_steps)
         if train.save_steps and (step + 1) % train.save_steps == 0 and step + 1 < total_steps:
             engine.save_checkpoint(
                 str(run_dir / STATE_DIR),

@@ -30,6 +30,7 @@ from datasets_prep.loading import check_prompt_label_row, load_rows
 from datasets_prep.packing import BatchSchedule
 from datasets_prep.sft import render_prompt
 from stages.common.launcher import PROJECT_ROOT
+from stages.common.progress import report_progress
 from stages.common.stage_run import run_key
 from stages.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdvantageInput, aggregation_normaliser
 from stages.rl.config import RLConfig
@@ -213,7 +214,7 @@ class RLLoop:
 
         shards = [prompt_ids[i :: len(self.engines)] for i in range(len(self.engines))]
         outs = ray.get([
-            e.generate.remote(s, n=n, max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature, seed=seed + i)
+            e.generate.remote(s, n=n, max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature, seed=seed + i * 1_000_003)
             for i, (e, s) in enumerate(zip(self.engines, shards))
         ])
         result: list = [None] * len(prompt_ids)
@@ -474,6 +475,7 @@ class RLLoop:
             for k, v in m.items():
                 if k != "step":
                     tb.add_scalar(f"rl/{k}", v, step + 1)
+            report_progress(step + 1, cfg.max_steps)
             if cfg.train.save_steps and (step + 1) % cfg.train.save_steps == 0 and step + 1 < cfg.max_steps:
                 self.save_state(step + 1, probe)
             if os.environ.get("RLHF_FAULT_STEP") == str(step + 1):  # test hook: the task dies here

@@ -36,14 +36,24 @@ def test_vllm_logprobs_match_transformers_on_the_sft_output(trained, tokenizer, 
         assert logits[start - 1 : len(seq) - 1].argmax(-1).tolist() == comp
 
 
-def test_eval_stage_reports_accuracy_and_length(trained, micro_model, task_files, tmp_path):
+def test_eval_stage_report(trained, micro_model, task_files, tmp_path):
+    """Greedy accuracy, pass@k, length, KL to the reference (zero against itself, positive against the
+    random base), and the report files (markdown table + PNG)."""
+    from pathlib import Path
+
     cfg = EvalConfig.model_validate({
         "data": {"paths": [str(task_files["eval"])], "prompt_key": "prompt", "label_key": "answer"},
-        "max_new_tokens": 8, "output_root": str(tmp_path),
+        "max_new_tokens": 8, "num_samples": 4, "pass_k": 2, "output_root": str(tmp_path),
     })
-    res = run_eval(cfg, micro_model, trained)
-    base, sft = res[f"tiny_model:{micro_model.digest[:8]}"], res[f"sft:{trained.digest[:8]}"]
+    report = run_eval(cfg, micro_model, trained, labels=["base", "sft"], reference=trained)
+    base, sft = report.metrics["base"], report.metrics["sft"]
     assert base["n"] == sft["n"] == 32
-    assert base["accuracy"] == 0.0  # random init
-    assert 0.0 <= sft["accuracy"] <= 1.0
+    assert base["accuracy"] == 0.0 and base["pass@k"] < 0.1  # random init (a sampled digit can hit a 1-digit sum)
+    assert 0.0 <= sft["accuracy"] <= 1.0 and 0.0 <= sft["pass@k"] <= 1.0
     assert sft["response_length"] < 6.0  # the SFT model learned to end its turn after a short answer
+    assert abs(sft["kl_to_reference"]) < 1e-4  # the reference is the model itself
+    assert base["kl_to_reference"] > 1.0  # the random model's samples are unlikely under the SFT model
+    assert sft["reward"] is None
+    md = Path(report.markdown).read_text()
+    assert "| base | 0.0% |" in md and "| sft |" in md and "kl_to_reference" in md
+    assert Path(report.plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

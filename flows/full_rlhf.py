@@ -1,0 +1,116 @@
+"""The ``full-rlhf`` flow: a pipeline recipe's stages as cached Prefect tasks handing checkpoints on.
+
+The flow holds no training code: it checks the whole pipeline recipe first (:func:`flows.pipeline.plan`:
+nothing runs if any stage recipe or wiring is wrong), then runs each stage as the
+:func:`flows.tasks.run_stage` task with the stage's retries, passing checkpoint references from stage
+to stage. A stage whose cache key (config + input digests + code version) has a stored result that
+still verifies comes back Cached; ``refresh`` names stages to rerun regardless. After a failure in
+stage k, running the flow again (or retrying the flow run from the UI/CLI) reruns k and what follows.
+The eval stage's report is published as markdown and image artifacts.
+
+Run: ``python -m flows.full_rlhf [recipes/pipelines/tiny.yaml] [--refresh sft,rl] [--output-root runs]``
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from checkpoints import CheckpointRef
+from flows.pipeline import PROJECT_ROOT, Plan, plan
+from flows.tasks import cached_result_usable, run_stage, stage_cache_key
+from stages.eval import EvalReport
+
+DEFAULT_PIPELINE = "recipes/pipelines/tiny.yaml"
+
+
+@flow(name="full-rlhf", log_prints=True, persist_result=True)
+def full_rlhf(
+    pipeline: str = DEFAULT_PIPELINE,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    refresh: list[str] | None = None,
+    output_root: str | None = None,
+) -> dict[str, Any]:
+    """Run ``pipeline``; ``overrides`` maps stage name -> {dotted key: value}; ``refresh`` reruns named stages."""
+    p = plan(pipeline, output_root=output_root, stage_overrides=overrides)
+    refresh = list(refresh or [])
+    unknown = set(refresh) - {s.spec.name for s in p.stages}
+    if unknown:
+        raise ValueError(f"refresh: no stages named {sorted(unknown)} in {pipeline} (its stages: {[s.spec.name for s in p.stages]})")
+    outputs = run_plan(p, refresh=set(refresh))
+    summary: dict[str, Any] = {}
+    for name, out in outputs.items():
+        if isinstance(out, EvalReport):
+            _publish_report(name, out)
+            summary[name] = {"report": out.markdown, "plot": out.plot, "metrics": out.metrics}
+            print(f"[full-rlhf] {name} report: {out.markdown}\n{Path(out.markdown).read_text()}")
+        else:
+            summary[name] = {"path": out.path, "kind": out.kind, "digest": out.digest}
+    return summary
+
+
+def run_plan(p: Plan, refresh: set[str] | bool = False) -> dict[str, CheckpointRef | EvalReport]:
+    """Run a checked plan's stages in order as cached tasks; ``refresh``: stage names (or True: all) to rerun."""
+    logger = get_run_logger()
+    root = p.recipe.output_root
+    outputs: dict[str, CheckpointRef | EvalReport] = {}
+    for st in p.stages:
+        inputs = {k: ([outputs[n] for n in v] if isinstance(v, list) else outputs[v]) for k, v in st.inputs.items()}
+        labels = list(st.inputs["models"]) if st.spec.stage == "eval" else None
+        config = st.config.model_dump(mode="json")
+        key = stage_cache_key(st.spec.stage, config, inputs, labels)
+        force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
+        if not force and not cached_result_usable(key):
+            logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")
+            force = True
+        task = run_stage.with_options(
+            name=f"stage-{st.spec.stage}",
+            task_run_name=st.spec.name,
+            retries=st.spec.retries,
+            retry_delay_seconds=st.spec.retry_delay_seconds,
+            refresh_cache=force or None,
+        )
+        outputs[st.spec.name] = task(st.spec.name, st.spec.stage, config, inputs, labels, root)
+    return outputs
+
+
+def _publish_report(name: str, report: EvalReport) -> None:
+    md = Path(report.markdown).read_text()
+    create_markdown_artifact(
+        markdown=f"{md}\n![metrics per stage]({Path(report.plot).resolve().as_uri()})\n\nFiles: `{report.folder}`",
+        key=f"eval-report-{name}".replace("_", "-"),
+        description=f"held-out eval ({name})",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m flows.full_rlhf", description=__doc__.split("\n")[0])
+    ap.add_argument("pipeline", nargs="?", default=DEFAULT_PIPELINE)
+    ap.add_argument("--refresh", default="", help="comma-separated stage names to rerun even if cached")
+    ap.add_argument("--output-root", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                    help="override a stage's config, e.g. --set sft.train.max_steps=20")
+    args = ap.parse_args(argv)
+    overrides: dict[str, dict[str, Any]] = {}
+    import yaml
+
+    for item in args.set:
+        key, _, raw = item.partition("=")
+        stage, _, field = key.partition(".")
+        if not field or not _:
+            raise SystemExit(f"--set {item!r}: expected STAGE.KEY=VALUE")
+        overrides.setdefault(stage, {})[field] = yaml.safe_load(raw)
+    os.chdir(PROJECT_ROOT)
+    summary = full_rlhf(args.pipeline, overrides or None, [s for s in args.refresh.split(",") if s], args.output_root)
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in summary.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""The full-rlhf and nightly flows under the real Prefect (a temporary server, results stored per test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from checkpoints import verify
+from tests.conftest import no_worker_processes
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def results(prefect_server, tmp_path):
+    """Prefect's result storage in this test's folder (the harness isolates the database only)."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: str(tmp_path / "prefect-results")}):
+        yield tmp_path
+
+
+def write_pipeline(path: Path, task_files, root: Path, with_dpo: bool = False) -> Path:
+    stages = [
+        {"name": "base", "stage": "tiny_model", "overrides": {"preset": "micro"}},
+        {"name": "sft", "stage": "sft", "recipe": "recipes/sft/tiny.yaml", "inputs": {"base": "base"},
+         "overrides": {"data.paths": [str(task_files["sft"])], "train.max_steps": 1, "train.progress_bar": False}},
+    ]
+    if with_dpo:
+        stages.append({"name": "dpo", "stage": "dpo", "recipe": "recipes/dpo/tiny.yaml", "inputs": {"policy": "sft"},
+                       "retries": 1, "retry_delay_seconds": 0,
+                       "overrides": {"data.paths": [str(task_files["preference"])], "train.max_steps": 3,
+                                     "train.progress_bar": False}})
+    path.write_text(yaml.safe_dump({"name": "micro", "output_root": str(root), "stages": stages}))
+    return path
+
+
+def task_states(state) -> dict[str, tuple[str, int]]:
+    """Task run name -> (state name, run count) for the flow run behind ``state``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    return {r.name: (r.state.name, r.run_count) for r in runs}
+
+
+def run_flow(**kwargs):
+    from flows.full_rlhf import full_rlhf
+
+    state = full_rlhf(**kwargs, return_state=True)
+    return state, task_states(state)
+
+
+def test_cache_hits_and_every_kind_of_miss(results, task_files, monkeypatch):
+    from flows import pipeline
+
+    # the SFT stage's code version includes one more file here, so a test can change "the stage code"
+    extra_source = results / "sft_extra.py"
+    extra_source.write_text("VERSION = 1\n")
+    monkeypatch.setitem(pipeline.STAGES, "sft", pipeline.STAGES["sft"].__class__(
+        **{**pipeline.STAGES["sft"].__dict__, "sources": (*pipeline.STAGES["sft"].sources, str(extra_source))}))
+    monkeypatch.setattr(pipeline, "PROJECT_ROOT", ROOT)
+    recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs")
+
+    state, tasks = run_flow(pipeline=str(recipe))
+    first = state.result()
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
+    assert verify(first["sft"]["path"]).digest == first["sft"]["digest"]
+
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Cached", 1)}
+    assert state.result()["sft"] == first["sft"]
+
+    # a config value changes: SFT reruns, the base stays cached
+    _, tasks = run_flow(pipeline=str(recipe), overrides={"sft": {"train.lr": 1e-3}})
+    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
+
+    # the cached checkpoint is altered, then deleted: each time SFT reruns and its output verifies again
+    sft_dir = Path(first["sft"]["path"])
+    with open(sft_dir / "model.safetensors", "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\x00\x01\x02\x03")
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
+    verify(state.result()["sft"]["path"])
+    import shutil
+
+    shutil.rmtree(sft_dir)
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
+    verify(state.result()["sft"]["path"])
+
+    # the stage's code changes
+    extra_source.write_text("VERSION = 2\n")
+    _, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
+
+    # an input checkpoint changes (another base model): SFT, whose own config is unchanged, reruns
+    _, tasks = run_flow(pipeline=str(recipe), overrides={"base": {"seed": 1}})
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
+
+    # refresh forces a stage to rerun
+    _, tasks = run_flow(pipeline=str(recipe), refresh=["sft"])
+    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
+
+
+def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage(results, task_files, monkeypatch):
+    recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs", with_dpo=True)
+    monkeypatch.setenv("RLHF_FAULT_STEP", "2")  # the trainer raises after step 2: only DPO gets there
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert state.is_failed()
+    assert tasks["base"] == ("Completed", 1) and tasks["sft"] == ("Completed", 1)
+    assert tasks["dpo"] == ("Failed", 2)  # its one retry from the recipe failed the same way
+    with pytest.raises(Exception, match="injected fault at step 2 on rank 0"):
+        state.result()
+    assert not no_worker_processes(results / "runs")
+
+    monkeypatch.delenv("RLHF_FAULT_STEP")
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Cached", 1), "dpo": ("Completed", 1)}
+    verify(state.result()["dpo"]["path"])
+
+
+def test_bad_pipeline_is_rejected_before_any_stage_runs(results, task_files):
+    from stages.common.recipe import RecipeError
+
+    recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs", with_dpo=True)
+    data = yaml.safe_load(recipe.read_text())
+    data["stages"][2]["overrides"]["train.lr"] = "fast"
+    recipe.write_text(yaml.safe_dump(data))
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert state.is_failed() and tasks == {}
+    with pytest.raises(RecipeError, match=r"(?s)stages\[2\] \(dpo\).*train\.lr: .*got .fast."):
+        state.result()
+    assert not (results / "runs").exists()
+
+
+def test_deployment_run_with_a_parameter_override(tmp_path, task_files):
+    """`make serve`'s pieces: a server on 127.0.0.1, the deployments served, `prefect deployment run`."""
+    from flows.local_server import local_server, stop
+    from stages.common.launcher import free_port
+
+    recipe = write_pipeline(tmp_path / "pipeline.yaml", task_files, tmp_path / "runs")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    with local_server(free_port(), tmp_path / "server.log", env) as api:
+        env["PREFECT_API_URL"] = api
+        served = subprocess.Popen([sys.executable, "-m", "flows.deploy"], env=env, cwd=ROOT, start_new_session=True,
+                                  stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
+        try:
+            cmd = [sys.executable, "-m", "prefect", "deployment", "run", "full-rlhf/tiny", "--watch",
+                   "--param", f"pipeline={recipe}", "--param", 'overrides={"sft": {"train.lr": 0.002}}']
+            for _ in range(60):  # until serve has registered the deployments
+                out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                if "not found" not in (out.stdout + out.stderr).lower():
+                    break
+                import time
+
+                time.sleep(1)
+            assert out.returncode == 0, out.stdout + out.stderr + (tmp_path / "serve.log").read_text()[-3000:]
+            assert "Completed" in out.stdout
+            manifests = list((tmp_path / "runs").glob("sft-*/checkpoint/manifest.json"))
+            assert len(manifests) == 1
+            job = json.loads((manifests[0].parent.parent / "job.json").read_text())
+            assert job["config"]["train"]["lr"] == 0.002  # the override reached the stage
+        finally:
+            stop(served)
+
+
+def test_nightly_fails_on_a_drifted_trajectory(results, task_files):
+    from flows.nightly import nightly_recipe_validation
+
+    recipes = results / "recipes"
+    (recipes / "sft").mkdir(parents=True)
+    data = yaml.safe_load((ROOT / "recipes/sft/tiny.yaml").read_text())
+    data["data"]["paths"] = [str(task_files["sft"])]
+    data["validation"] = {"overrides": {"train.max_steps": 3}, "max": {"final.loss": 20.0}}
+    (recipes / "sft" / "tiny.yaml").write_text(yaml.safe_dump(data))
+    out = str(results / "runs")
+
+    rows = nightly_recipe_validation(str(recipes), out, pin=True)
+    pinned = json.loads((recipes / "sft" / "tiny.trajectory.json").read_text())["trajectory"]
+    assert len(pinned) == 3 and rows[0]["why"] == "pinned 3 steps"
+
+    rows = nightly_recipe_validation(str(recipes), out)
+    assert [(r["recipe"], r["result"]) for r in rows] == [("recipes/sft/tiny.yaml", "pass")]
+
+    pinned[1] += 0.5  # the reference drifts (or, equally, today's run does)
+    (recipes / "sft" / "tiny.trajectory.json").write_text(json.dumps({"trajectory": pinned}))
+    with pytest.raises(RuntimeError, match=r"recipes/sft/tiny.yaml: step 2: loss"):
+        nightly_recipe_validation(str(recipes), out)

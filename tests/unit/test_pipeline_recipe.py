@@ -1,0 +1,86 @@
+"""Pipeline recipes are checked whole before anything runs; cache keys; pass@k."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from checkpoints import CheckpointRef
+from flows.pipeline import plan
+from flows.tasks import stage_cache_key
+from stages.common.recipe import RecipeError
+from stages.eval import pass_at_k
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, stages: list[dict]) -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "output_root": str(tmp_path / "runs"), "stages": stages}))
+    return path
+
+
+SFT = {"name": "sft", "stage": "sft", "recipe": "recipes/sft/tiny.yaml"}
+RM = {"name": "rm", "stage": "reward_model", "recipe": "recipes/reward_model/tiny.yaml", "inputs": {"base": "sft"}}
+
+
+def test_the_shipped_pipeline_plans(tmp_path):
+    p = plan(ROOT / "recipes/pipelines/tiny.yaml", output_root=str(tmp_path))
+    assert [s.spec.name for s in p.stages] == ["base", "sft", "rm", "dpo", "rl", "eval"]
+    assert [s.output for s in p.stages] == ["policy", "policy", "reward", "policy", "policy", "report"]
+    assert all(s.config.output_root == str(tmp_path) for s in p.stages)
+
+
+@pytest.mark.parametrize("stages, match", [
+    ([{**SFT, "stage": "sfft"}], r"stages\[0\] \(sft\)\.stage: unknown stage 'sfft'"),
+    ([{"name": "dpo", "stage": "dpo", "recipe": "recipes/dpo/tiny.yaml", "inputs": {"policy": "sft"}}, SFT],
+     r"stages\[0\] \(dpo\)\.inputs\.policy: 'sft' is not an earlier stage \(it runs later"),
+    ([SFT, {**RM, "inputs": {"base": "sfx"}}], r"stages\[1\] \(rm\)\.inputs\.base: 'sfx' is not an earlier stage"),
+    ([SFT, {**SFT, "overrides": {"train.lr": "fast"}, "name": "sft2"}], r"stages\[1\] \(sft2\).*\n\s+train\.lr: .*'fast'"),
+    ([{**SFT, "overrides": {"trian.lr": 1e-3}}], r"stages\[0\] \(sft\).*\n\s+trian: unknown key"),
+    ([SFT, RM, {"name": "dpo", "stage": "dpo", "recipe": "recipes/dpo/tiny.yaml", "inputs": {"policy": "rm"}}],
+     r"inputs\.policy: stage 'rm' outputs a checkpoint of kind 'reward', but policy takes 'policy'"),
+    ([SFT, {"name": "merge", "stage": "lora_merge", "inputs": {"adapter": "sft"}}],
+     r"inputs\.adapter: stage 'sft' outputs a checkpoint of kind 'policy', but adapter takes 'adapter'"),
+    ([SFT, {"name": "eval", "stage": "eval", "recipe": "recipes/eval/tiny.yaml"}], r"\(eval\)\.inputs\.models: required"),
+    ([SFT, {**RM, "inputs": {"policy": "sft"}}], r"inputs\.policy: the reward_model stage takes no input 'policy'"),
+    ([SFT, {**SFT}], r"stages\[1\] \(sft\)\.name: 'sft' is used by an earlier stage"),
+    ([{**SFT, "recipe": "recipes/sft/nope.yaml"}], r"stages\[0\] \(sft\)\.recipe: .*nope.yaml: recipe file not found"),
+])
+def test_bad_pipelines_are_rejected_with_the_field_path(tmp_path, stages, match):
+    path = write(tmp_path, stages)
+    with pytest.raises(RecipeError, match=match) as e:
+        plan(path)
+    assert str(path) in str(e.value)
+
+
+def test_lora_stages_produce_adapters_and_merges_give_back_the_kind(tmp_path):
+    lora = {**SFT, "overrides": {"lora.rank": 4}}
+    rm_lora = {**RM, "overrides": {"lora.rank": 4}, "inputs": {"base": "base"}}  # an adapter is no base
+    p = plan(write(tmp_path, [{"name": "base", "stage": "tiny_model"}, {**lora, "inputs": {"base": "base"}}, rm_lora,
+                              {"name": "m1", "stage": "lora_merge", "inputs": {"adapter": "sft", "base": "base"}},
+                              {"name": "m2", "stage": "lora_merge", "inputs": {"adapter": "rm", "base": "base"}}]))
+    assert [s.output for s in p.stages] == ["policy", "adapter", "adapter", "policy", "reward"]
+
+
+def ref(digest: str) -> CheckpointRef:
+    return CheckpointRef(path="/x", stage="sft", kind="full", config_hash="c", digest=digest)
+
+
+def test_cache_key_depends_on_config_inputs_and_code_not_on_watching():
+    cfg = {"lr": 1.0, "train": {"progress_bar": True, "lr": 1.0}}
+    key = stage_cache_key("sft", cfg, {"base": ref("a")})
+    assert key == stage_cache_key("sft", {"lr": 1.0, "train": {"progress_bar": False, "lr": 1.0}}, {"base": ref("a")})
+    assert key != stage_cache_key("sft", {**cfg, "lr": 2.0}, {"base": ref("a")})
+    assert key != stage_cache_key("sft", cfg, {"base": ref("b")})
+    assert key != stage_cache_key("dpo", cfg, {"base": ref("a")})  # another stage's code and name
+
+
+def test_pass_at_k_against_hand_computed_values():
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # 1 - C(6,4)/C(8,4)
+    assert pass_at_k(8, 0, 8) == 0.0
+    assert pass_at_k(5, 4, 2) == 1.0  # fewer than k wrong: some k-subset... every k-subset has a right one
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the fraction right
