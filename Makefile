@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE ?= 1
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 PORT ?= 4200
 
-.PHONY: setup run serve nightly test test-unit lint bench bench-rl-gain clean
+.PHONY: setup run serve nightly test test-unit lint bench bench-rl-gain bench-pipeline clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,10 @@ bench: setup
 
 bench-rl-gain: setup
 	$(PY) -m bench.rl_gain
+
+# make run's cold and cached wall times (fresh output root and Prefect home)
+bench-pipeline: setup
+	$(PY) -m bench.pipeline_run
 
 clean:
 	rm -rf runs .cache .prefect

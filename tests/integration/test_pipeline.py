@@ -151,34 +151,83 @@ def test_bad_pipeline_is_rejected_before_any_stage_runs(results, task_files):
     assert not (results / "runs").exists()
 
 
-def test_deployment_run_with_a_parameter_override(tmp_path, task_files):
-    """`make serve`'s pieces: a server on 127.0.0.1, the deployments served, `prefect deployment run`."""
+def api_post(api: str, path: str, body: dict) -> list | dict:
+    import urllib.request
+
+    req = urllib.request.Request(f"{api}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def deployment_run(env: dict, cwd: Path, *params: str) -> tuple[str, str]:
+    """`prefect deployment run full-rlhf/tiny --watch --param ...` -> (flow run id, output)."""
+    import re
+    import time
+
+    cmd = [sys.executable, "-m", "prefect", "deployment", "run", "full-rlhf/tiny", "--watch"]
+    for p in params:
+        cmd += ["--param", p]
+    for _ in range(60):  # until serve has registered the deployments
+        out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+        text = out.stdout + out.stderr
+        if "not found" not in text.lower():
+            break
+        time.sleep(1)
+    found = re.search(r"UUID:\s*([0-9a-f-]{36})", text)
+    assert found, text
+    return found.group(1), text
+
+
+def test_deployment_run_with_a_parameter_override_and_a_retry_from_the_cli(tmp_path, task_files):
+    """`make serve`'s pieces: a server on 127.0.0.1, the deployments served, `prefect deployment run` with
+    a --param override; then a run that fails in its last stage, retried with `prefect flow-run retry`
+    once the cause is fixed: the stages before come back Cached."""
+    import shutil
+    import time
+
     from flows.local_server import local_server, stop
     from stages.common.launcher import free_port
 
-    recipe = write_pipeline(tmp_path / "pipeline.yaml", task_files, tmp_path / "runs")
+    recipe = write_pipeline(tmp_path / "pipeline.yaml", task_files, tmp_path / "runs", with_dpo=True)
+    pairs = tmp_path / "later" / "pairs.jsonl"  # the DPO data appears only after the first failure
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("RLHF_FAULT_STEP", None)
     with local_server(free_port(), tmp_path / "server.log", env) as api:
         env["PREFECT_API_URL"] = api
         served = subprocess.Popen([sys.executable, "-m", "flows.deploy"], env=env, cwd=ROOT, start_new_session=True,
                                   stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
         try:
-            cmd = [sys.executable, "-m", "prefect", "deployment", "run", "full-rlhf/tiny", "--watch",
-                   "--param", f"pipeline={recipe}", "--param", 'overrides={"sft": {"train.lr": 0.002}}']
-            for _ in range(60):  # until serve has registered the deployments
-                out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-                if "not found" not in (out.stdout + out.stderr).lower():
-                    break
-                import time
-
-                time.sleep(1)
-            assert out.returncode == 0, out.stdout + out.stderr + (tmp_path / "serve.log").read_text()[-3000:]
-            assert "Completed" in out.stdout
-            manifests = list((tmp_path / "runs").glob("sft-*/checkpoint/manifest.json"))
-            assert len(manifests) == 1
-            job = json.loads((manifests[0].parent.parent / "job.json").read_text())
+            run_id, text = deployment_run(env, tmp_path, f"pipeline={recipe}",
+                                          "overrides=" + json.dumps({"sft": {"train.lr": 0.002}, "dpo": {"data.paths": [str(pairs)]}}))
+            assert "Failed" in text, text + (tmp_path / "serve.log").read_text()[-3000:]
+            job = json.loads(next((tmp_path / "runs").glob("sft-*/job.json")).read_text())
             assert job["config"]["train"]["lr"] == 0.002  # the override reached the stage
+
+            def states() -> dict[str, list[str]]:
+                out: dict[str, list[str]] = {}
+                runs = api_post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}, "sort": "EXPECTED_START_TIME_ASC"})
+                for r in runs:
+                    out.setdefault(r["name"], []).append(r["state"]["name"])
+                return out
+
+            assert states() == {"base": ["Completed"], "sft": ["Completed"], "dpo": ["Failed"]}
+            assert "pairs.jsonl" in (tmp_path / "serve.log").read_text()  # the stage's error names the file
+
+            pairs.parent.mkdir()
+            shutil.copy(task_files["preference"], pairs)
+            retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", run_id], env=env,
+                                   capture_output=True, text=True, timeout=120)
+            assert retry.returncode == 0, retry.stdout + retry.stderr
+            deadline = time.time() + 300
+            while time.time() < deadline:
+                state = api_post(api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})[0]["state"]["type"]
+                if state in ("COMPLETED", "FAILED", "CRASHED"):
+                    break
+                time.sleep(2)
+            assert state == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]
+            after = states()
+            assert after["base"][-1] == "Cached" and after["sft"][-1] == "Cached" and after["dpo"][-1] == "Completed", after
         finally:
             stop(served)
 

@@ -51,6 +51,17 @@ def _config(task_files, root, reward_func, **over) -> RLConfig:
     return RLConfig.model_validate(cfg)
 
 
+def _first_digit_one(folder: Path) -> Path:
+    """A toy reward the micro model earns often: 1 for answers starting with the digit 1."""
+    func = folder / "first_digit.py"
+    func.write_text(
+        "def reward_func(queries, prompts, labels):\n"
+        "    r = [1.0 if q[len(p):].startswith('1') else 0.0 for q, p in zip(queries, prompts)]\n"
+        "    return {'rewards': r}\n"
+    )
+    return func
+
+
 def _metrics(ref) -> list[dict]:
     return [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
 
@@ -58,7 +69,9 @@ def _metrics(ref) -> list[dict]:
 def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files, sft_policy, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py",
+    # the toy reward, not answer checking: with the micro model a whole step's samples can all be wrong,
+    # and then nothing moves (all advantages 0) and the KL stays 0
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path),
                   algo__init_kl_coef=0.05, algo__kl_estimator="k3", eval_data={"paths": [str(task_files["eval"])],
                   "prompt_key": "prompt", "label_key": "answer"})
     ref = run_rl(cfg, sft_policy)
@@ -82,13 +95,7 @@ def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files
 
 def test_toy_reward_rises_within_a_few_steps(task_files, sft_policy, tmp_path):
     """Reward 1 for answers starting with the digit 1: a tiny model learns it in a handful of steps."""
-    func = tmp_path / "first_digit.py"
-    func.write_text(
-        "def reward_func(queries, prompts, labels):\n"
-        "    r = [1.0 if q[len(p):].startswith('1') else 0.0 for q, p in zip(queries, prompts)]\n"
-        "    return {'rewards': r}\n"
-    )
-    cfg = _config(task_files, tmp_path, func, max_steps=8, train__world_size=1, train__zero_stage=2,
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=8, train__world_size=1, train__zero_stage=2,
                   rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
                   train__lr=3e-3, algo__advantage_estimator="reinforce_baseline")
     steps = _metrics(run_rl(cfg, sft_policy))
