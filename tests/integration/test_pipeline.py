@@ -254,3 +254,32 @@ def test_nightly_fails_on_a_drifted_trajectory(results, task_files):
     (recipes / "sft" / "tiny.trajectory.json").write_text(json.dumps({"trajectory": pinned}))
     with pytest.raises(RuntimeError, match=r"recipes/sft/tiny.yaml: step 2: loss"):
         nightly_recipe_validation(str(recipes), out)
+
+
+def test_killing_the_flow_process_leaves_no_stage_process(tmp_path, task_files):
+    """The stage's subprocess (and its ranks) die with the flow process, even on SIGKILL."""
+    import signal
+    import time
+
+    recipe = write_pipeline(tmp_path / "pipeline.yaml", task_files, tmp_path / "runs")
+    data = yaml.safe_load(recipe.read_text())
+    data["stages"][1]["overrides"]["train.max_steps"] = 10_000  # still training when the flow is killed
+    recipe.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    flow = subprocess.Popen([sys.executable, "-m", "flows.full_rlhf", str(recipe)], env=env, cwd=ROOT,
+                            stdout=open(tmp_path / "flow.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not list((tmp_path / "runs").glob("sft-*/metrics.jsonl")):
+            assert flow.poll() is None, (tmp_path / "flow.log").read_text()[-3000:]
+            time.sleep(1)
+        assert no_worker_processes(tmp_path / "runs"), "the SFT ranks should be running"
+    finally:
+        flow.send_signal(signal.SIGKILL)
+        flow.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and no_worker_processes(tmp_path / "runs"):
+        time.sleep(0.5)
+    assert not no_worker_processes(tmp_path / "runs")
