@@ -268,8 +268,9 @@ def test_killing_the_flow_process_leaves_no_stage_process(tmp_path, task_files):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
+    # its own process group: after the test, what Prefect itself started there (the ephemeral server) goes too
     flow = subprocess.Popen([sys.executable, "-m", "flows.full_rlhf", str(recipe)], env=env, cwd=ROOT,
-                            stdout=open(tmp_path / "flow.log", "w"), stderr=subprocess.STDOUT)
+                            stdout=open(tmp_path / "flow.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not list((tmp_path / "runs").glob("sft-*/metrics.jsonl")):
@@ -282,4 +283,10 @@ def test_killing_the_flow_process_leaves_no_stage_process(tmp_path, task_files):
     deadline = time.time() + 30
     while time.time() < deadline and no_worker_processes(tmp_path / "runs"):
         time.sleep(0.5)
-    assert not no_worker_processes(tmp_path / "runs")
+    try:
+        assert not no_worker_processes(tmp_path / "runs")
+    finally:
+        try:
+            os.killpg(flow.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
