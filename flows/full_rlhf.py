@@ -59,8 +59,8 @@ def run_plan(p: Plan, refresh: set[str] | bool = False) -> dict[str, CheckpointR
     root = p.recipe.output_root
     outputs: dict[str, CheckpointRef | EvalReport] = {}
     for st in p.stages:
-        inputs = {k: ([outputs[n] for n in v] if isinstance(v, list) else outputs[v]) for k, v in st.inputs.items()}
-        labels = list(st.inputs["models"]) if st.spec.stage == "eval" else None
+        inputs = {k: ([outputs[n] for n in v] if isinstance(v, list) else outputs[v]) for k, v in st.spec.inputs.items()}
+        labels = list(st.spec.inputs["models"]) if st.spec.stage == "eval" else None
         config = st.config.model_dump(mode="json")
         key = stage_cache_key(st.spec.stage, config, inputs, labels)
         force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
+    import yaml
+
     ap = argparse.ArgumentParser(prog="python -m flows.full_rlhf", description=__doc__.split("\n")[0])
     ap.add_argument("pipeline", nargs="?", default=DEFAULT_PIPELINE)
     ap.add_argument("--refresh", default="", help="comma-separated stage names to rerun even if cached")
@@ -99,12 +101,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="override a stage's config, e.g. --set sft.train.max_steps=20")
     args = ap.parse_args(argv)
     overrides: dict[str, dict[str, Any]] = {}
-    import yaml
-
     for item in args.set:
         key, _, raw = item.partition("=")
         stage, _, field = key.partition(".")
-        if not field or not _:
+        if not field or "=" not in item:
             raise SystemExit(f"--set {item!r}: expected STAGE.KEY=VALUE")
         overrides.setdefault(stage, {})[field] = yaml.safe_load(raw)
     os.chdir(PROJECT_ROOT)

@@ -65,6 +65,10 @@ def local_server(port: int, log: Path, env: dict[str, str] | None = None) -> Ite
         stop(proc)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops `make serve` the way Ctrl-C does
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m flows.local_server", description=__doc__.split("\n")[0])
     ap.add_argument("--port", type=int, default=4200)
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         print("[serve] then, in another shell: PREFECT_API_URL=" + api + " .venv/bin/prefect deployment run full-rlhf/tiny", flush=True)
         served = subprocess.Popen([sys.executable, "-m", "flows.deploy"], env={**os.environ, "PREFECT_API_URL": api},
                                   cwd=PROJECT_ROOT, start_new_session=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             served.wait()
         except KeyboardInterrupt:

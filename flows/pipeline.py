@@ -19,14 +19,21 @@ and the path of the bad field (``stages[2].inputs.policy``).
 from __future__ import annotations
 
 import hashlib
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from stages.common.recipe import RecipeError, apply_overrides, format_validation_error, read_recipe, read_yaml
+from stages.common.recipe import (
+    RecipeError,
+    format_validation_error,
+    read_recipe,
+    read_yaml,
+    set_dotted,
+    validate,
+)
+from stages.common.worker import load_target
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,11 +86,6 @@ STAGES: dict[str, StageType] = {
 }
 
 
-def load_object(spec: str) -> Any:
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def code_version(stage: str) -> str:
     """sha256 over the stage's source files and the shared code it runs on (paths and contents)."""
     h = hashlib.sha256()
@@ -119,25 +121,13 @@ class PipelineRecipe(BaseModel):
 class PlannedStage:
     spec: StageSpec
     config: BaseModel
-    inputs: dict[str, str | list[str]]
-    output: str
-
-    @property
-    def type(self) -> StageType:
-        return STAGES[self.spec.stage]
+    output: str  # the kind of its output: POLICY, REWARD, ADAPTER or REPORT
 
 
 @dataclass
 class Plan:
     recipe: PipelineRecipe
-    source: str
     stages: list[PlannedStage] = field(default_factory=list)
-
-
-def _dotted(overrides: dict[str, Any]) -> list[str]:
-    import yaml
-
-    return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in overrides.items()]
 
 
 def plan(source: str | Path, output_root: str | None = None, stage_overrides: dict[str, dict[str, Any]] | None = None) -> Plan:
@@ -159,7 +149,7 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
     if unknown:
         raise RecipeError(f"{source}: overrides for stages {sorted(unknown)} that the pipeline does not have "
                           f"(its stages: {[s.name for s in recipe.stages]})")
-    out = Plan(recipe, source)
+    out = Plan(recipe)
     produced: dict[str, str] = {}  # stage name -> output kind
     types: dict[str, str] = {}  # stage name -> stage type
     for i, spec in enumerate(recipe.stages):
@@ -197,7 +187,7 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
                     raise RecipeError(f"{where}.inputs.{inp.name}: stage {n!r} outputs a checkpoint of kind {produced[n]!r}, "
                                       f"but {inp.name} takes {' or '.join(map(repr, inp.accepts))}")
         output = _output_kind(spec, config, types)
-        out.stages.append(PlannedStage(spec, config, dict(spec.inputs), output))
+        out.stages.append(PlannedStage(spec, config, output))
         produced[spec.name] = output
         types[spec.name] = spec.stage
     return out
@@ -209,9 +199,7 @@ def _resolve(path: str) -> Path:
 
 
 def _load_stage_config(stype: StageType, spec: StageSpec, overrides: dict[str, Any], output_root: str, where: str) -> BaseModel:
-    from stages.common.recipe import validate
-
-    cls = load_object(stype.config)
+    cls = load_target(stype.config)
     data: dict[str, Any] = {}
     src = f"{where} (defaults of {stype.config})"
     if spec.recipe:
@@ -222,7 +210,8 @@ def _load_stage_config(stype: StageType, spec: StageSpec, overrides: dict[str, A
         src = f"{where} recipe {spec.recipe}"
     data["output_root"] = output_root  # the pipeline decides where its runs go (an override may still say otherwise)
     try:
-        data = apply_overrides(data, _dotted(overrides))
+        for key, value in overrides.items():
+            set_dotted(data, key, value)
     except RecipeError as e:
         raise RecipeError(f"{where}.overrides: {e}") from None
     return validate(cls, data, src)

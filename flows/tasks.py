@@ -23,19 +23,19 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from checkpoints import CheckpointError, CheckpointRef, verify
-from flows.pipeline import STAGES, code_version, load_object
+from flows.pipeline import STAGES, code_version
 from stages.common.launcher import launch
 from stages.common.progress import read_progress
+from stages.common.stage_run import WATCH_SETTINGS
+from stages.common.worker import load_target
 from stages.eval import EvalReport
 
 StageInputs = dict[str, CheckpointRef | list[CheckpointRef] | None]
-# settings that change how a run is watched, not what it computes
-_NOT_IN_KEY = ("progress_bar", "logging_steps")
 
 
 def stage_cache_key(stage: str, config: dict[str, Any], inputs: StageInputs, labels: list[str] | None = None) -> str:
     cfg = json.loads(json.dumps(config))
-    for k in _NOT_IN_KEY:
+    for k in WATCH_SETTINGS:
         (cfg.get("train") or {}).pop(k, None)
     digests = {k: ([r.digest for r in v] if isinstance(v, list) else v.digest if v else None) for k, v in sorted(inputs.items())}
     blob = json.dumps({"stage": stage, "config": cfg, "inputs": digests, "labels": labels, "code": code_version(stage)}, sort_keys=True)
@@ -125,7 +125,7 @@ def stage_job(job: dict, rank: int, world_size: int) -> dict:
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(var, None)  # this process is not a rank; the stage launches its own
     stype = STAGES[job["stage"]]
-    config = load_object(stype.config).model_validate(job["config"])
+    config = load_target(stype.config).model_validate(job["config"])
 
     def ref(v: Any) -> Any:
         if v is None:
@@ -148,7 +148,7 @@ def stage_job(job: dict, rank: int, world_size: int) -> dict:
             kwargs[inp.name] = value
         else:
             args.append(value)
-    result = load_object(stype.run)(config, *args, **kwargs)
+    result = load_target(stype.run)(config, *args, **kwargs)
     if isinstance(result, EvalReport):
         return {"report": result.model_dump()}
     return {"ref": result.model_dump()}

@@ -228,16 +228,11 @@ def score_rank(job: dict, rank: int, world_size: int) -> dict:
     if job["reward_model"]:
         from stages.rl.rewards import RewardModelScorer
 
-        scorer = RewardModelScorer(job["reward_model"], normalize=_has_stats(job["reward_model"]))
+        scorer = RewardModelScorer(job["reward_model"], normalize=None)  # normalised when the RM has its stats
         for label, g in job["generated"].items():
             scores = scorer.score(g["greedy"])
             out[label]["reward"] = sum(scores) / len(scores)
     return out
-
-
-def _has_stats(path: str) -> bool:
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    return cfg.get("reward_mean") is not None and bool(cfg.get("reward_std"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,16 +51,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise RecipeError(f"override {item!r}: expected key=value (e.g. train.lr=1e-5)")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise RecipeError(f"override {item!r}: '{part}' is a value, not a section")
-            node = child
-        node[parts[-1]] = value
+        set_dotted(data, key, yaml.safe_load(raw) if raw != "" else "", item)
     return data
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any, label: str | None = None) -> None:
+    """``data[a][b][c] = value`` for ``key`` ``a.b.c``, creating sections; ``label`` names it in errors."""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"override {label or key!r}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

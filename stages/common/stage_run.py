@@ -19,7 +19,8 @@ from checkpoints.store import CheckpointKind
 from stages.common.launcher import launch
 
 # Settings that change how a run is watched or continued, not what it computes.
-_NOT_IN_KEY = ("resume", "progress_bar", "logging_steps")
+WATCH_SETTINGS = ("progress_bar", "logging_steps")  # how a run is watched, not what it computes
+_NOT_IN_KEY = ("resume", *WATCH_SETTINGS)
 
 
 def run_key(stage: str, config: BaseModel, *inputs: CheckpointRef | None) -> str:

@@ -12,15 +12,21 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
+
+
+def load_target(spec: str) -> Any:
+    """The object ``module:name`` names (launcher targets, the pipeline's stage configs and functions)."""
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def main() -> None:
     target, job_path, run_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        module, func = target.split(":")
         job = json.loads(job_path.read_text())
-        result = getattr(importlib.import_module(module), func)(job, rank, world_size)
+        result = load_target(target)(job, rank, world_size)
         if rank == 0:
             tmp = run_dir / "result.json.tmp"
             tmp.write_text(json.dumps(result or {}))

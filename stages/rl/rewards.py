@@ -110,10 +110,11 @@ class RewardModelScorer:
     """A reward-model checkpoint scoring token-id sequences (run as a Ray actor by the RL driver).
 
     Scores are read at each sequence's last token (``stages.reward_model.score_padded``); with
-    ``normalize`` they become (score - reward_mean) / reward_std from the checkpoint's config.
+    ``normalize`` they become (score - reward_mean) / reward_std from the checkpoint's config
+    (``normalize=None``: when the config has them).
     """
 
-    def __init__(self, path: str, normalize: bool, batch_size: int = 64):
+    def __init__(self, path: str, normalize: bool | None, batch_size: int = 64):
         from transformers import AutoModelForSequenceClassification
 
         self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32).eval()
@@ -121,12 +122,11 @@ class RewardModelScorer:
         self.pad = cfg.pad_token_id
         self.batch_size = batch_size
         self.source = f"reward model {path}"
-        self.norm = None
-        if normalize:
-            mean, std = getattr(cfg, "reward_mean", None), getattr(cfg, "reward_std", None)
-            if mean is None or not std:
-                raise RewardError(f"{self.source}: normalize_reward needs reward_mean/reward_std in its config.json (train it with eval_data)")
-            self.norm = (float(mean), float(std))
+        mean, std = getattr(cfg, "reward_mean", None), getattr(cfg, "reward_std", None)
+        has_stats = mean is not None and bool(std)
+        if normalize and not has_stats:
+            raise RewardError(f"{self.source}: normalize_reward needs reward_mean/reward_std in its config.json (train it with eval_data)")
+        self.norm = (float(mean), float(std)) if has_stats and normalize is not False else None
 
     def score(self, sequences: list[list[int]]) -> list[float]:
         from stages.reward_model import score_padded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -73,9 +74,8 @@ def test_cache_hits_and_every_kind_of_miss(results, task_files, monkeypatch):
     # the SFT stage's code version includes one more file here, so a test can change "the stage code"
     extra_source = results / "sft_extra.py"
     extra_source.write_text("VERSION = 1\n")
-    monkeypatch.setitem(pipeline.STAGES, "sft", pipeline.STAGES["sft"].__class__(
-        **{**pipeline.STAGES["sft"].__dict__, "sources": (*pipeline.STAGES["sft"].sources, str(extra_source))}))
-    monkeypatch.setattr(pipeline, "PROJECT_ROOT", ROOT)
+    sft = pipeline.STAGES["sft"]
+    monkeypatch.setitem(pipeline.STAGES, "sft", dataclasses.replace(sft, sources=(*sft.sources, str(extra_source))))
     recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs")
 
     state, tasks = run_flow(pipeline=str(recipe))
@@ -241,6 +241,8 @@ def test_nightly_fails_on_a_drifted_trajectory(results, task_files):
     data["data"]["paths"] = [str(task_files["sft"])]
     data["validation"] = {"overrides": {"train.max_steps": 3}, "max": {"final.loss": 20.0}}
     (recipes / "sft" / "tiny.yaml").write_text(yaml.safe_dump(data))
+    (recipes / "tiny_model").mkdir()
+    (recipes / "tiny_model" / "micro.yaml").write_text("preset: micro\n")  # validated, not run
     out = str(results / "runs")
 
     rows = nightly_recipe_validation(str(recipes), out, pin=True)
@@ -248,7 +250,8 @@ def test_nightly_fails_on_a_drifted_trajectory(results, task_files):
     assert len(pinned) == 3 and rows[0]["why"] == "pinned 3 steps"
 
     rows = nightly_recipe_validation(str(recipes), out)
-    assert [(r["recipe"], r["result"]) for r in rows] == [("recipes/sft/tiny.yaml", "pass")]
+    assert [(r["recipe"], r["result"], r["why"]) for r in rows] == [
+        ("recipes/sft/tiny.yaml", "pass", "3 steps within tolerance"), ("recipes/tiny_model/micro.yaml", "pass", "validated")]
 
     pinned[1] += 0.5  # the reference drifts (or, equally, today's run does)
     (recipes / "sft" / "tiny.trajectory.json").write_text(json.dumps({"trajectory": pinned}))
