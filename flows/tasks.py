@@ -1,7 +1,7 @@
 """The one Prefect task every stage runs as: cache key, isolation in a subprocess, progress artifact.
 
-Cache key = stage type + canonical config + the content digests of the input checkpoints + the
-stage's code version (:func:`flows.pipeline.code_version`). The task's result is the stage's
+Cache key = stage type + canonical config + the content digests of the input checkpoints and of the
+data files the config names + the stage's code version (:func:`flows.pipeline.code_version`). The task's result is the stage's
 :class:`~checkpoints.CheckpointRef` (the eval stage: its :class:`~stages.eval.EvalReport`), persisted
 by Prefect; :func:`cached_result_usable` is how the flow decides whether a cached one still stands.
 
@@ -38,8 +38,38 @@ def stage_cache_key(stage: str, config: dict[str, Any], inputs: StageInputs, lab
     for k in WATCH_SETTINGS:
         (cfg.get("train") or {}).pop(k, None)
     digests = {k: ([r.digest for r in v] if isinstance(v, list) else v.digest if v else None) for k, v in sorted(inputs.items())}
-    blob = json.dumps({"stage": stage, "config": cfg, "inputs": digests, "labels": labels, "code": code_version(stage)}, sort_keys=True)
+    blob = json.dumps({"stage": stage, "config": cfg, "inputs": digests, "labels": labels, "code": code_version(stage),
+                       "files": file_digests(cfg)}, sort_keys=True)
     return f"{stage}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}"
+
+
+def file_digests(config: Any) -> dict[str, str]:
+    """sha256 of every local file (or folder of files) the config names: data paths, a reward function.
+
+    The config holds paths, not contents: without this an edited dataset would come back Cached."""
+    found: dict[str, str] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, list):
+            for v in value:
+                visit(v)
+        elif isinstance(value, str) and len(value) < 4096 and value not in found:
+            path = Path(value)
+            files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+            if files and value not in (".", ""):
+                h = hashlib.sha256()
+                for f in files:
+                    h.update(f.relative_to(path).as_posix().encode() if f != path else b"")
+                    h.update(b"\0" + f.read_bytes() + b"\0")
+                found[value] = h.hexdigest()
+
+    visit(config.get("data"))
+    visit(config.get("eval_data"))
+    visit((config.get("reward") or {}).get("func"))
+    return found
 
 
 class StageCachePolicy(CachePolicy):

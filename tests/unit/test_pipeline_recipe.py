@@ -78,6 +78,27 @@ def test_cache_key_depends_on_config_inputs_and_code_not_on_watching():
     assert key != stage_cache_key("dpo", cfg, {"base": ref("a")})  # another stage's code and name
 
 
+def test_cache_key_follows_the_contents_of_the_data_files(tmp_path):
+    data, reward = tmp_path / "train.jsonl", tmp_path / "reward.py"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    reward.write_text("def reward_func(q, p, l): ...\n")
+    cfg = {"data": {"paths": [str(data)]}, "reward": {"func": str(reward)}, "train": {"lr": 1.0}}
+    key = stage_cache_key("rl", cfg, {"policy": ref("a")})
+    assert key == stage_cache_key("rl", cfg, {"policy": ref("a")})
+    data.write_text('{"prompt": "1+1", "answer": "3"}\n')  # same path, edited rows
+    edited = stage_cache_key("rl", cfg, {"policy": ref("a")})
+    assert edited != key
+    reward.write_text("def reward_func(q, p, l): return {}\n")
+    assert stage_cache_key("rl", cfg, {"policy": ref("a")}) not in (key, edited)
+    folder = tmp_path / "hf_dataset"  # a saved dataset folder: every file counts
+    folder.mkdir()
+    (folder / "part-0.arrow").write_bytes(b"\x00\x01")
+    cfg_dir = {"data": {"paths": [str(folder)]}}
+    before = stage_cache_key("sft", cfg_dir, {})
+    (folder / "part-0.arrow").write_bytes(b"\x00\x02")
+    assert stage_cache_key("sft", cfg_dir, {}) != before
+
+
 def test_pass_at_k_against_hand_computed_values():
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
     assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # 1 - C(6,4)/C(8,4)
