@@ -48,7 +48,10 @@ class TinyModelConfig(BaseModel):
 
 def run_tiny_model(config: TinyModelConfig) -> CheckpointRef:
     """Build tokenizer + model and commit them as a ``full`` checkpoint (idempotent per config)."""
-    key = config_hash(config.model_dump(exclude={"output_root"}))
+    from datasets_prep.synthetic import corpus
+
+    # the tokenizer is trained on the task's text: a change to the task is a new model
+    key = config_hash({**config.model_dump(exclude={"output_root"}), "corpus": config_hash(corpus(config.seed))})
     dest = Path(config.output_root) / f"tiny_model-{config.preset}-{key}"
     if (dest / MANIFEST).is_file():
         return load_ref(dest)

@@ -1,11 +1,12 @@
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from datasets_prep.loading import DataConfig, DataError, load_rows
 from datasets_prep.sft import prepare_sft, tokenize_sft_row
-from datasets_prep.synthetic import generate, is_correct, write_task_files
+from datasets_prep.synthetic import WORKED_PREFIX, column_add, generate, is_correct, worked_answer, write_task_files, wrong_worked_answer
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"q": f"{i}+1", "a": str(i + 1)} for i in range(10)]
@@ -120,8 +121,35 @@ def test_task_is_deterministic_and_shipped_files_match_the_generator(tmp_path):
     eval_prompts = {r["prompt"] for r in data["eval"]}
     train_prompts = {r["messages"][0]["content"] for r in data["sft"]} | {r["prompt"] for r in data["rl_prompts"]}
     assert not eval_prompts & train_prompts
-    assert all(r["chosen"] != r["rejected"] and int(r["chosen"]) == eval(r["prompt"]) for r in data["preference"])
+    for r in data["preference"] + data["preference_eval"]:
+        total = str(sum(int(x) for x in r["prompt"].split("+")))
+        assert r["chosen"] == worked_answer(r["prompt"]) and is_correct(r["chosen"], total), r
+        assert not is_correct(r["rejected"], total), r
+    slips = sum(r["rejected"].startswith(WORKED_PREFIX) for r in data["preference"])
+    assert 0.05 < slips / len(data["preference"]) < 0.15
+    worked = sum(r["messages"][1]["content"].startswith(WORKED_PREFIX) for r in data["sft"])
+    assert 0.25 < worked / len(data["sft"]) < 0.35
     written = write_task_files(tmp_path, seed=0)
     for split, path in written.items():
         assert path.read_text() == (ROOT / "data" / "arithmetic" / f"{split}.jsonl").read_text(), split
     assert is_correct("The sum is 42.", "42") and not is_correct("41", "42") and not is_correct("", "42")
+
+
+def test_worked_answers_by_hand():
+    assert worked_answer("57+68") == "Work: 7+8=15, 5+6+1=12, so 125"
+    assert worked_answer("9+42") == "Work: 9+2=11, 0+4+1=5, so 51"
+    assert worked_answer("999+1") == "Work: 9+1=10, 9+0+1=10, 9+0+1=10, so 1000"
+    assert worked_answer("3+4") == "Work: 3+4=7, so 7"
+    # slips are carried through to the sum, as a person making them would
+    assert column_add("57+68", drop_carry_at=1) == (["7+8=15", "5+6=11"], "115")
+    assert column_add("57+68", slip_at=0, slip=-1) == (["7+8=14", "5+6+1=12"], "124")
+    assert column_add("95+7", slip_at=1, slip=1) == (["5+7=12", "9+0+1=11"], "112")
+    rng = random.Random(0)
+    for prompt in ["0+0", "5+5", "57+68", "999+999", "100+900", "1+0"]:
+        total = str(sum(int(x) for x in prompt.split("+")))
+        for _ in range(20):
+            wrong = wrong_worked_answer(prompt, rng)
+            assert wrong.startswith(WORKED_PREFIX) and not is_correct(wrong, total), (prompt, wrong)
+    # the answer is the last integer in both forms
+    assert is_correct("125", "125") and is_correct(worked_answer("57+68"), "125")
+    assert not is_correct("Work: 7+8=15, 5+6+1=12", "125")
