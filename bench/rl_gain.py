@@ -4,7 +4,7 @@ Starts from an SFT checkpoint (``sft=PATH``, else the default SFT recipe is run 
 recipe with each estimator, and reports greedy held-out accuracy before and after, the RL wall time
 and the seed. Prints a table and writes bench/results/rl_gain.json.
 
-Run: ``python -m bench.rl_gain [sft=PATH] [steps=150] [estimators=reinforce_baseline,group_norm] [key=value ...]``
+Run: ``python -m bench.rl_gain [sft=PATH] [steps=60] [estimators=reinforce_baseline,group_norm] [key=value ...]``
 (remaining ``key=value`` arguments override recipes/rl/tiny.yaml)
 """
 
@@ -39,16 +39,19 @@ def main(argv: list[str] | None = None) -> None:
         sft = run_sft(cfg, resolve_model(cfg.base, root))
     rows = []
     for est in opts.get("estimators", "reinforce_baseline,group_norm").split(","):
-        cfg = load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml"), f"output_root={root}", f"max_steps={opts.get('steps', 150)}",
+        cfg = load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml"), f"output_root={root}", f"max_steps={opts.get('steps', 60)}",
                                      f"algo.advantage_estimator={est}", "train.progress_bar=false", *overrides])
         t = time.time()
         ref = run_rl(cfg, sft)
         wall = time.time() - t
         extra = read_manifest(ref.path).extra
+        metrics = [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
+        trajectory = [[m["step"], round(m["eval_accuracy"], 4)] for m in metrics if "eval_accuracy" in m]
         before, after = extra["initial_eval"]["eval_accuracy"], extra["final_eval"]["eval_accuracy"]
         rows.append({"estimator": est, "steps": cfg.max_steps, "seed": cfg.seed, "lr": cfg.train.lr,
                      "sft_accuracy": round(before, 4), "rl_accuracy": round(after, 4),
-                     "gain_points": round(100 * (after - before), 1), "rl_wall_s": round(wall, 1), "checkpoint": ref.path})
+                     "gain_points": round(100 * (after - before), 1), "rl_wall_s": round(wall, 1), "checkpoint": ref.path,
+                     "eval_accuracy_by_step": trajectory})
     cols = ["estimator", "steps", "seed", "lr", "sft_accuracy", "rl_accuracy", "gain_points", "rl_wall_s"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
