@@ -7,6 +7,8 @@ EXTRA ?= cpu
 STAMP := $(VENV)/.setup-$(EXTRA)
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# the flow's ephemeral Prefect server can take longer than the default 20 s to start on a busy 2-core machine
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE ?= 1

@@ -4,7 +4,7 @@ Per checkpoint, on held-out prompts rendered exactly as in training (chat templa
 ``input_template``) and handed to vLLM as token ids:
 
 - ``accuracy``: pass@1 with greedy decoding, graded by the task's checker (the built-in addition
-  task: the first integer in the response must equal the label);
+  task: the last integer in the response must equal the label);
 - ``pass@k``: from ``num_samples`` samples per prompt at ``temperature``, the unbiased estimator of
   Chen et al. 2021 (``1 - C(n-c, k) / C(n, k)``);
 - ``response_length``: mean greedy response tokens;

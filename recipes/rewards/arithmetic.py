@@ -1,4 +1,4 @@
-"""Reward for the built-in addition task: 1 when the response's first integer is the sum, else 0.
+"""Reward for the built-in addition task: 1 when the response's last integer is the sum, else 0.
 
 OpenRLHF's reward_func contract: queries are prompt + response texts, labels the dataset's label
 column (here the answer). Used by recipes/rl/tiny.yaml.

@@ -45,15 +45,25 @@ class Completion:
     logprobs: list[float] | None
 
 
+def request_seed(seed: int, i: int) -> int:
+    """The sampling seed of request ``i`` of a call seeded with ``seed`` (31 bits of a hash: no two
+    requests' ``seed + j`` ranges meet, unlike ``seed + i``)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}/{i}".encode()).digest()[:4], "little") >> 1
+
+
 def generate(llm, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, n: int = 1, seed: int | None = None, logprobs: bool = False) -> list[list[Completion]]:
     """``n`` completions per prompt, as token ids (never re-tokenized text).
 
-    With a ``seed``, prompt ``i`` samples with seed ``seed + i``: reproducible, and independent across
-    prompts (one seed for all would make every prompt draw the same random numbers)."""
+    With a ``seed``, prompt ``i`` samples with its own seed hashed from ``(seed, i)``: reproducible, and
+    independent across prompts and calls. (vLLM seeds sample ``j`` of a request with ``seed + j``, so
+    consecutive seeds per prompt would give prompt ``i``'s sample ``j + 1`` the random draws of prompt
+    ``i + 1``'s sample ``j``, and one seed for all the same draws everywhere.)"""
     from vllm import SamplingParams, TokensPrompt
 
     params = [
-        SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, seed=None if seed is None else seed + i,
+        SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, seed=None if seed is None else request_seed(seed, i),
                        logprobs=0 if logprobs else None)
         for i in range(len(prompt_ids))
     ]

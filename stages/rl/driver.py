@@ -12,6 +12,7 @@ Run: ``python -m stages.rl recipes/rl/tiny.yaml base=runs/sft-<key>/checkpoint``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -76,6 +77,9 @@ def ray_cluster(cfg: RLConfig):
             raise SystemExit(f"RL stage stopped by signal {signum}")
 
         previous = signal.signal(signal.SIGTERM, _terminate)
+    import psutil  # a dependency of DeepSpeed and vLLM
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": _env()}, log_to_driver=True)
     else:
@@ -86,7 +90,15 @@ def ray_cluster(cfg: RLConfig):
     try:
         yield tmp
     finally:
+        # a local cluster's raylet, GCS and workers descend from this process; after shutdown the
+        # workers exit on their own a moment later: wait for them (and end any that linger)
+        ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in before] if tmp else []
         ray.shutdown()
+        _, alive = psutil.wait_procs(ours, timeout=15)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=5)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         if previous is not None:

@@ -6,7 +6,15 @@ import pytest
 
 from datasets_prep.loading import DataConfig, DataError, load_rows
 from datasets_prep.sft import prepare_sft, tokenize_sft_row
-from datasets_prep.synthetic import WORKED_PREFIX, column_add, generate, is_correct, worked_answer, write_task_files, wrong_worked_answer
+from datasets_prep.synthetic import (
+    WORKED_PREFIX,
+    column_add,
+    generate,
+    is_correct,
+    worked_answer,
+    write_task_files,
+    wrong_worked_answer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"q": f"{i}+1", "a": str(i + 1)} for i in range(10)]
