@@ -56,10 +56,10 @@ def file_digests(config: Any) -> dict[str, str]:
         elif isinstance(value, list):
             for v in value:
                 visit(v)
-        elif isinstance(value, str) and len(value) < 4096 and value not in found:
+        elif isinstance(value, str) and 0 < len(value) < 4096 and value != "." and value not in found:
             path = Path(value)
             files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
-            if files and value not in (".", ""):
+            if files:
                 h = hashlib.sha256()
                 for f in files:
                     h.update(f.relative_to(path).as_posix().encode() if f != path else b"")
