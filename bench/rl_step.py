@@ -2,11 +2,19 @@
 
 Same tiny model (the SFT output of the default recipe if given, else the tiny base), same prompts,
 group size, generation length, learning rate and GRPO advantages. TRL runs on its transformers
-generation backend in fp32 (its vLLM colocate mode crashes on the CPU build at the first weight
-sync), with and without gradient checkpointing (its default is on). Steps after the first are
-timed; prints a table and writes bench/results/rl_step.json.
+generation backend (its vLLM colocate mode crashes on the CPU build at the first weight sync), with
+and without gradient checkpointing (its default is on). The median of the second half of the steps
+is reported for each system (the first steps are slower on both sides).
 
-Run: ``python -m bench.rl_step [model=PATH] [steps=4] [prompts=32] [group=8] [tokens=16]``
+Two more tables explain the step: where our step's time goes (generation, reward, training, weight
+sync), and generation alone, the same prompts x samples x tokens through vLLM (our engine wrapper,
+fp32 and bf16) and through transformers' ``generate`` (TRL's backend). The step can only beat TRL by
+what the rollout engine saves: both sides train on the same tokens with the same PyTorch kernels.
+
+On CPU everything runs in fp32 (bf16 is slower there for these model sizes); on CUDA, in bf16.
+Prints the tables and writes bench/results/rl_step.json.
+
+Run: ``python -m bench.rl_step [model=PATH|preset=tiny] [steps=12] [prompts=32] [group=8] [tokens=16]``
 (needs ``pip install -e .[bench]`` for TRL)
 """
 
@@ -23,6 +31,18 @@ OUT = Path(__file__).parent / "results" / "rl_step.json"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def settled(per_step: list) -> list:
+    """The second half of the steps: both systems take several steps to reach their steady speed
+    (allocator, thread pools, first-call compilation), ours about five on the 2-core CPU."""
+    return per_step[len(per_step) // 2 :]
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int, tokens: int, steps: int, checkpointing: bool) -> dict:
     import datasets
     import torch
@@ -32,7 +52,7 @@ def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int,
     from datasets_prep.synthetic import is_correct
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if cuda() else torch.float32)
     ds = datasets.Dataset.from_list(
         [{"prompt": [{"role": "user", "content": p}], "answer": a} for p, a in zip(prompts, labels)] * (steps + 1)
     )
@@ -58,21 +78,25 @@ def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int,
         cfg = GRPOConfig(
             output_dir=out, per_device_train_batch_size=len(prompts) * group, num_generations=group,
             max_completion_length=tokens, learning_rate=1e-5, max_steps=steps, logging_steps=1, report_to="none",
-            use_cpu=True, bf16=False, gradient_checkpointing=checkpointing, save_strategy="no", beta=0.0,
+            use_cpu=not cuda(), bf16=cuda(), gradient_checkpointing=checkpointing, save_strategy="no", beta=0.0,
             loss_type="grpo", scale_rewards="group", temperature=1.0, seed=0, disable_tqdm=True,
         )
         trainer = GRPOTrainer(model=model, args=cfg, reward_funcs=reward, train_dataset=ds, processing_class=tok,
                               callbacks=[Clock()])
         trainer.train()
-    step = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    step = statistics.median(settled(times))
     samples = len(prompts) * group
-    mean_len = statistics.mean(lengths[1:] or lengths)
-    return {"system": f"TRL GRPOTrainer (transformers generate, fp32, grad ckpt {'on' if checkpointing else 'off'})",
+    mean_len = statistics.mean(settled(lengths))
+    dtype = "bf16" if cuda() else "fp32"
+    return {"system": f"TRL GRPOTrainer (transformers generate, {dtype}, grad ckpt {'on' if checkpointing else 'off'})",
             "step_s": round(step, 3), "samples_per_s": round(samples / step, 1),
             "generated_tokens_per_s": round(samples * mean_len / step, 1), "mean_response_tokens": round(mean_len, 2)}
 
 
-def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: int, dtype: str) -> dict:
+PHASES = ("generate_s", "reward_s", "reference_s", "train_s", "sync_s")
+
+
+def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: int) -> dict:
     from checkpoints import import_pretrained, load_ref
     from stages.common.recipe import load_config
     from stages.rl.config import RLConfig
@@ -87,48 +111,122 @@ def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: i
             str(ROOT / "recipes/rl/tiny.yaml"), f"output_root={root}", f"max_steps={steps}", "eval_data=null",
             f"rollout.rollout_batch_size={prompts_n}", f"rollout.n_samples_per_prompt={group}",
             f"rollout.max_new_tokens={tokens}", f"train.train_batch_size={prompts_n * group}",
-            f"train.micro_train_batch_size={prompts_n * group}", f"train.dtype={dtype}", "train.zero_stage=2",
+            f"train.micro_train_batch_size={prompts_n * group}", f"train.dtype={'bf16' if cuda() else 'fp32'}",
+            f"rollout.dtype={'bfloat16' if cuda() else 'float32'}", "train.zero_stage=2",
             "train.lr=1e-5", "train.progress_bar=false", "algo.advantage_estimator=group_norm",
         ])
         out = run_rl(cfg, ref)
         steps_m = [json.loads(ln) for ln in (Path(out.path).parent / "metrics.jsonl").read_text().splitlines()]
-    timed = steps_m[1:] or steps_m
+    timed = settled(steps_m)
     step = statistics.median(s["total_s"] for s in timed)
     mean_len = statistics.mean(s["response_length"] for s in timed)
     samples = prompts_n * group
-    return {"system": f"rlhf-pipeline (vLLM {cfg.rollout.dtype} rollouts, DeepSpeed {dtype} learner, Ray)",
+    return {"system": f"rlhf-pipeline (vLLM {cfg.rollout.dtype} rollouts, DeepSpeed {cfg.train.dtype} learner, Ray)",
             "step_s": round(step, 3), "samples_per_s": round(samples / step, 1),
             "generated_tokens_per_s": round(samples * mean_len / step, 1), "mean_response_tokens": round(mean_len, 2),
-            "generation_phase_tokens_per_s": round(statistics.median(s["generated_tokens_per_s"] for s in timed), 1)}
+            "generation_phase_tokens_per_s": round(statistics.median(s["generated_tokens_per_s"] for s in timed), 1),
+            "phases": {k: round(statistics.median(s[k] for s in timed), 3) for k in PHASES}}
+
+
+def generation_only(model_path: str, prompt_ids: list[list[int]], group: int, tokens: int, repeats: int = 3) -> list[dict]:
+    """The rollout engines alone: sampled tokens/s of vLLM (fp32, bf16) and of transformers' generate.
+
+    The same rendered prompts, ``group`` samples each, temperature 1, up to ``tokens`` new tokens; the
+    median of ``repeats`` calls after one warm-up call."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.common.generation import generate, make_llm
+
+    def timed(fn) -> tuple[float, int]:
+        fn()
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            n = fn()
+            runs.append((time.perf_counter() - t, n))
+        return sorted(runs)[len(runs) // 2]
+
+    def hf_tokens(model, batch) -> int:
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0,
+                                 pad_token_id=tok.pad_token_id)
+        return int((out[:, batch["input_ids"].shape[1]:] != tok.pad_token_id).sum())
+
+    def vllm_tokens(llm) -> int:
+        out = generate(llm, prompt_ids, n=group, max_new_tokens=tokens, temperature=1.0, seed=0)
+        return sum(len(c.token_ids) for g in out for c in g)
+
+    rows = []
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.padding_side = "left"
+    dtypes = [("bfloat16", torch.bfloat16)] if cuda() else [("float32", torch.float32), ("bfloat16", torch.bfloat16)]
+    for name, dt in dtypes:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dt).to("cuda" if cuda() else "cpu")
+        batch = tok.pad({"input_ids": [p for p in prompt_ids for _ in range(group)]}, return_tensors="pt").to(model.device)
+        seconds, n = timed(lambda m=model, b=batch: hf_tokens(m, b))
+        rows.append({"engine": f"transformers generate, {name}", "seconds": round(seconds, 3), "tokens": n,
+                     "tokens_per_s": round(n / seconds, 1)})
+        del model
+        gc.collect()
+    for name, _ in dtypes:
+        llm = make_llm(model_path, dtype=name, seed=0)
+        seconds, n = timed(lambda e=llm: vllm_tokens(e))
+        rows.append({"engine": f"vLLM, {name}", "seconds": round(seconds, 3), "tokens": n, "tokens_per_s": round(n / seconds, 1)})
+        del llm
+        gc.collect()
+    best_hf = max(r["tokens_per_s"] for r in rows if r["engine"].startswith("transformers"))
+    for r in rows:
+        r["vs_best_transformers"] = round(r["tokens_per_s"] / best_hf, 2)
+    return rows
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
 
 
 def main(argv: list[str] | None = None) -> None:
     args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
-    steps, n_prompts, group, tokens = int(args.get("steps", 4)), int(args.get("prompts", 32)), int(args.get("group", 8)), int(args.get("tokens", 16))
+    steps, n_prompts, group, tokens = int(args.get("steps", 12)), int(args.get("prompts", 32)), int(args.get("group", 8)), int(args.get("tokens", 16))
     model = args.get("model")
     with tempfile.TemporaryDirectory() as root:
         if model is None:
             from stages.common.models import resolve_model
 
-            model = resolve_model("tiny:tiny", root).path
+            model = resolve_model(f"tiny:{args.get('preset', 'tiny')}", root).path
+        from transformers import AutoTokenizer
+
+        from datasets_prep.sft import render_prompt
+        from stages.common.recipe import load_config
+        from stages.rl.config import RLConfig
+
         rows = [json.loads(ln) for ln in (ROOT / "data/arithmetic/rl_prompts.jsonl").read_text().splitlines()[:n_prompts]]
         prompts, labels = [r["prompt"] for r in rows], [r["answer"] for r in rows]
+        data_cfg = load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml")]).data
+        tok = AutoTokenizer.from_pretrained(model)
+        prompt_ids = [tok(render_prompt(tok, p, data_cfg), add_special_tokens=False)["input_ids"] for p in prompts]
         results = [
             trl_step(model, prompts, labels, group, tokens, steps, checkpointing=True),
             trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False),
-            ours_step(model, group, n_prompts, tokens, steps, "fp32"),
+            ours_step(model, group, n_prompts, tokens, steps),
         ]
+        generation = generation_only(model, prompt_ids, group, tokens)
     best_trl = max(r["samples_per_s"] for r in results[:2])
     for r in results:
         r["samples_per_s_vs_best_trl"] = round(r["samples_per_s"] / best_trl, 2)
-    cols = ["system", "step_s", "samples_per_s", "generated_tokens_per_s", "mean_response_tokens", "samples_per_s_vs_best_trl"]
     print(f"\nRL step, {n_prompts} prompts x {group} samples, up to {tokens} new tokens, model {model}\n")
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-    for r in results:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print(table(results, ["system", "step_s", "samples_per_s", "generated_tokens_per_s", "mean_response_tokens", "samples_per_s_vs_best_trl"]))
+    print("\nWhere our step's time goes (median seconds)\n")
+    print(table([results[-1]["phases"]], list(PHASES)))
+    print("\nGeneration alone, same prompts x samples x tokens\n")
+    print(table(generation, ["engine", "seconds", "tokens", "tokens_per_s", "vs_best_transformers"]))
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"prompts": n_prompts, "group": group, "max_new_tokens": tokens, "steps": steps,
-                               "model": model, "results": results}, indent=2))
+                               "device": "cuda" if cuda() else "cpu", "model": model, "results": results,
+                               "generation_only": generation}, indent=2))
     print(f"wrote {OUT}")
 
 

@@ -19,6 +19,7 @@ and the path of the bad field (``stages[2].inputs.policy``).
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,15 +87,43 @@ STAGES: dict[str, StageType] = {
 }
 
 
+_FILE_HASHES: dict[tuple[str, int, int, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's contents, remembered while its inode, size and times stay the same (a flow computes
+    each stage's cache key several times: large data files are read once). A file modified in the last two
+    seconds is never remembered: file times are coarse, and a second edit within the same tick could look
+    unchanged. (A copy that keeps an old modification time still gets a new change time, and so a new key.)"""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _FILE_HASHES:
+        return _FILE_HASHES[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+        _FILE_HASHES[key] = h.hexdigest()
+    return h.hexdigest()
+
+
+def digest_files(named: list[tuple[str, Path]]) -> str:
+    """One sha256 over (name, contents) pairs: a file renamed or edited changes it."""
+    h = hashlib.sha256()
+    for name, path in named:
+        h.update(name.encode() + b"\0" + file_sha256(path).encode() + b"\0")
+    return h.hexdigest()
+
+
 def code_version(stage: str) -> str:
     """sha256 over the stage's source files and the shared code it runs on (paths and contents)."""
-    h = hashlib.sha256()
+    named = []
     for pattern in (*STAGES[stage].sources, *COMMON_SOURCES):
         paths = [Path(pattern)] if Path(pattern).is_absolute() else sorted(PROJECT_ROOT.glob(pattern))
         for path in paths:
-            name = path.relative_to(PROJECT_ROOT).as_posix() if path.is_relative_to(PROJECT_ROOT) else str(path)
-            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
+            named.append((path.relative_to(PROJECT_ROOT).as_posix() if path.is_relative_to(PROJECT_ROOT) else str(path), path))
+    return digest_files(named)
 
 
 class StageSpec(BaseModel):

@@ -23,7 +23,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from checkpoints import CheckpointError, CheckpointRef, verify
-from flows.pipeline import STAGES, code_version
+from flows.pipeline import STAGES, code_version, digest_files
 from stages.common.launcher import launch
 from stages.common.progress import read_progress
 from stages.common.stage_run import WATCH_SETTINGS
@@ -60,11 +60,7 @@ def file_digests(config: Any) -> dict[str, str]:
             path = Path(value)
             files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
             if files:
-                h = hashlib.sha256()
-                for f in files:
-                    h.update(f.relative_to(path).as_posix().encode() if f != path else b"")
-                    h.update(b"\0" + f.read_bytes() + b"\0")
-                found[value] = h.hexdigest()
+                found[value] = digest_files([(f.relative_to(path).as_posix() if f != path else "", f) for f in files])
 
     visit(config.get("data"))
     visit(config.get("eval_data"))

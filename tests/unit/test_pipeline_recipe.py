@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,23 @@ def test_pass_at_k_against_hand_computed_values():
     assert pass_at_k(8, 0, 8) == 0.0
     assert pass_at_k(5, 4, 2) == 1.0  # fewer than k wrong: some k-subset... every k-subset has a right one
     assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the fraction right
+
+
+def test_file_hashes_are_remembered_only_for_files_that_settled(tmp_path):
+    import os
+
+    from flows.pipeline import _FILE_HASHES, file_sha256
+
+    fresh, old = tmp_path / "fresh.jsonl", tmp_path / "old.jsonl"
+    fresh.write_text("a\n")
+    old.write_text("b\n")
+    past = time.time_ns() - 10_000_000_000
+    os.utime(old, ns=(past, past))
+    assert file_sha256(fresh) == hashlib.sha256(b"a\n").hexdigest()
+    assert file_sha256(old) == hashlib.sha256(b"b\n").hexdigest()
+    remembered = {k[0] for k in _FILE_HASHES}
+    assert str(old.resolve()) in remembered and str(fresh.resolve()) not in remembered
+    fresh.write_text("c\n")  # same size, same tick: still read again
+    assert file_sha256(fresh) == hashlib.sha256(b"c\n").hexdigest()
+    old.write_text("d\n")  # edited: its times change, the remembered hash no longer applies
+    assert file_sha256(old) == hashlib.sha256(b"d\n").hexdigest()
