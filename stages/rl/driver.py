@@ -221,12 +221,13 @@ class RLLoop:
         text = render_prompt(self.tok, row[self.cfg.data.prompt_key], self.cfg.data)
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int):
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False):
         import ray
 
         shards = [prompt_ids[i :: len(self.engines)] for i in range(len(self.engines))]
         outs = ray.get([
-            e.generate.remote(s, n=n, max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature, seed=seed + i * 1_000_003)
+            e.generate.remote(s, n=n, max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature,
+                              seed=seed + i * 1_000_003, logprobs=logprobs)
             for i, (e, s) in enumerate(zip(self.engines, shards))
         ])
         result: list = [None] * len(prompt_ids)
@@ -265,6 +266,17 @@ class RLLoop:
             attn[i, : len(p) + len(r)] = 1
             resp[i, len(p) : len(p) + len(r)] = 1
         return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+
+    @staticmethod
+    def rollout_logprob_diff(groups, logp: torch.Tensor) -> float:
+        """Mean |vLLM's sampling log-prob - the learners' old log-prob| over every response token of the step:
+        the engines and the learners hold the same weights, so this stays at rounding level unless a sync
+        went wrong (a whole-batch check beside the probe's)."""
+        diffs = []
+        for i, c in enumerate(c for group in groups for c in group):
+            start = len(c.prompt_ids)
+            diffs.append((torch.tensor(c.logprobs) - logp[i, start : start + len(c.token_ids)]).abs())
+        return torch.cat(diffs).mean().item() if diffs else 0.0
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         n = len(self.learners)
@@ -415,7 +427,9 @@ class RLLoop:
             t = {}
             t0 = time.perf_counter()
             idx = schedule.global_batch(step)
-            groups = self.generate([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature, cfg.seed * 100_003 + step)
+            # vLLM's sampling log-probs only when the learners compute old log-probs to compare them with
+            groups = self.generate([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature,
+                                   cfg.seed * 100_003 + step, logprobs=not self.on_policy)
             t["generate_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             rewards = self.rewards([self.rows[i] for i in idx], groups)
@@ -445,8 +459,11 @@ class RLLoop:
             )
             advantages, _ = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](adv_in)
             train_batch = {**batch, "advantages": advantages.float()}
+            mismatch = {}
             if "logp" in lps:
                 train_batch["old_logp"] = lps["logp"]
+                if groups[0][0].logprobs is not None:
+                    mismatch["rollout_logprob_diff"] = self.rollout_logprob_diff(groups, lps["logp"])
             if "ref_logp" in lps:
                 train_batch["ref_logp"] = lps["ref_logp"]
             t1 = time.perf_counter()
@@ -474,6 +491,7 @@ class RLLoop:
                 "response_length": lengths.mean().item(),
                 "sync_logprob_diff": sync_mean,
                 "sync_max_logprob_diff": sync_max,
+                **mismatch,
                 **train_metrics,
                 **{k: v.mean().item() for k, v in rewards["extra_logs"].items()},
                 **t,

@@ -3,7 +3,7 @@
 Weights travel as safetensors bytes and are loaded with the worker's ``reload_weights`` (the path
 that works on the CPU build too, where ``model.load_weights`` after load and in-place parameter
 edits silently change nothing). Every update can be verified: ``sequence_logprobs`` on a fixed
-probe is compared with the learner's log-probs on the same ids (see ``stages.rl.sync``).
+probe is compared with the learner's log-probs on the same ids (``RLLoop.verify`` in ``stages.rl.driver``).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ class RolloutEngine:
     def __init__(self, model_path: str, seed: int = 0, dtype: str = "bfloat16", max_model_len: int = 512):
         self.llm = make_llm(model_path, seed=seed, dtype=dtype, max_model_len=max_model_len, worker_extension_cls=EXTENSION)
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int) -> list[list[Completion]]:
-        # no sampling log-probs: the learners compute the ones they train with (on-policy: the current
-        # ones), and asking vLLM for them costs ~20% of a tiny model's generation time on CPU
-        return generate(self.llm, prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int,
+                 logprobs: bool = False) -> list[list[Completion]]:
+        """``logprobs``: also the sampled tokens' log-probs (they cost ~20% of a tiny model's generation time on CPU)."""
+        return generate(self.llm, prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=logprobs)
 
     def update_weights(self, data: bytes) -> int:
         loaded = self.llm.collective_rpc("load_safetensors_bytes", args=(data,))

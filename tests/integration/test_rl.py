@@ -82,6 +82,9 @@ def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files
     assert [s["step"] for s in steps] == [1, 2, 3]
     # every push verified: vLLM (fp32) and the learners agree on the probe after each update
     assert all(s["sync_logprob_diff"] <= 1e-3 and s["sync_max_logprob_diff"] <= 1e-2 for s in steps)
+    # two updates per rollout: the learners compute old log-probs, and vLLM's sampling log-probs of every
+    # response token agree with them (same weights, fp32 on both sides)
+    assert all(s["rollout_logprob_diff"] <= 1e-3 for s in steps), [s["rollout_logprob_diff"] for s in steps]
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert steps[-1]["kl"] > 0  # and has moved since
     for key in ("reward_mean", "accuracy", "entropy", "clip_ratio", "response_length", "generate_s", "train_s", "sync_s"):
