@@ -17,6 +17,7 @@ class RolloutConfig(BaseModel):
     rollout_batch_size: int = 16  # prompts per RL step
     n_samples_per_prompt: int = 4
     max_new_tokens: int = 16
+    # 1.0 only for now: the learners' log-probs are of the untempered policy (see RLConfig._check)
     temperature: float = 1.0
     num_engines: int = 1  # vLLM engines (each a Ray actor)
     tensor_parallel_size: int = 1  # GPU only; the CPU build runs TP 1
@@ -112,6 +113,12 @@ class RLConfig(BaseModel):
             raise ValueError(
                 f"train.train_batch_size: {self.train.train_batch_size} does not divide the {samples} samples of a "
                 f"step (rollout_batch_size {self.rollout.rollout_batch_size} x n_samples_per_prompt {self.rollout.n_samples_per_prompt})"
+            )
+        if self.rollout.temperature != 1.0:
+            raise ValueError(
+                f"rollout.temperature: got {self.rollout.temperature}, expected 1.0: the learners compute log-probs of "
+                "the untempered policy, so responses sampled at another temperature would be trained on as if drawn "
+                "from a distribution they were not drawn from (tempered training log-probs are not implemented yet)"
             )
         sources = [k for k in ("func", "url", "model") if getattr(self.reward, k)]
         if len(sources) > 1:

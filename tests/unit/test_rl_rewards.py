@@ -100,3 +100,12 @@ def test_http_reward_gives_up_naming_the_url(server):
     dead = "http://127.0.0.1:9/reward"  # nothing listens on the discard port
     with pytest.raises(RewardError, match="reward endpoint http://127.0.0.1:9/reward: failed 2 times"):
         HttpReward(dead, timeout_s=1, retries=1)(["a"], [""], [0])
+
+
+def test_a_sampling_temperature_other_than_one_is_refused_by_name():
+    from stages.common.recipe import load_config
+    from stages.rl.config import RLConfig
+
+    assert load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml")]).rollout.temperature == 1.0
+    with pytest.raises(Exception, match=r"(?s)recipes/rl/tiny.yaml.*rollout.temperature: got 0.7, expected 1.0"):
+        load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml"), "rollout.temperature=0.7"])
