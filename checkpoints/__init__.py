@@ -7,8 +7,11 @@ from checkpoints.store import (
     commit,
     config_hash,
     load_ref,
+    path_digest,
     read_manifest,
+    remembered_hashes,
     require_kind,
+    sha256_file,
     staging,
     verify,
 )
@@ -20,8 +23,11 @@ __all__ = [
     "config_hash",
     "import_pretrained",
     "load_ref",
+    "path_digest",
     "read_manifest",
+    "remembered_hashes",
     "require_kind",
+    "sha256_file",
     "staging",
     "verify",
 ]

@@ -17,9 +17,11 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -67,12 +69,52 @@ class Manifest(BaseModel):
     extra: dict = {}
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+_REMEMBERED: ContextVar[dict | None] = ContextVar("remembered_file_hashes", default=None)
+
+
+def sha256_file(path: str | Path) -> str:
+    """sha256 of a file's contents (``hashlib.file_digest``): the one file hash of the project.
+
+    Inside :func:`remembered_hashes` a file's hash is remembered while its path, inode, size and
+    modification and change times stay the same, so a flow run reads each file once. A file modified in
+    the last two seconds is never remembered: file times are coarse, and a second same-size edit within
+    one tick could look unchanged.
+    """
+    path = Path(path)
+    memo = _REMEMBERED.get()
+    if memo is None:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in memo:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if time.time_ns() - st.st_mtime_ns <= 2_000_000_000:
+            return digest
+        memo[key] = digest
+    return memo[key]
+
+
+@contextmanager
+def remembered_hashes() -> Iterator[None]:
+    """Within the block, :func:`sha256_file` hashes each unchanged file once (a flow run holds one)."""
+    if _REMEMBERED.get() is not None:  # nested: the outer block's memory serves
+        yield
+        return
+    token = _REMEMBERED.set({})
+    try:
+        yield
+    finally:
+        _REMEMBERED.reset(token)
+
+
+def path_digest(path: str | Path) -> str:
+    """:func:`content_digest` of a file (named ``""``) or of every file under a folder (relative names)."""
+    path = Path(path)
+    if path.is_file():
+        return content_digest({"": sha256_file(path)})
+    return content_digest({p.relative_to(path).as_posix(): sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()})
 
 
 def content_digest(files: dict[str, str]) -> str:

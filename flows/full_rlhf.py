@@ -20,9 +20,9 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from checkpoints import CheckpointRef
+from checkpoints import CheckpointRef, remembered_hashes
 from flows.pipeline import PROJECT_ROOT, Plan, plan
-from flows.tasks import cached_result_usable, run_stage, stage_cache_key
+from flows.tasks import cached_result_usable, run_stage
 from stages.eval import EvalReport
 
 DEFAULT_PIPELINE = "recipes/pipelines/tiny.yaml"
@@ -54,27 +54,30 @@ def full_rlhf(
 
 
 def run_plan(p: Plan, refresh: set[str] | bool = False) -> dict[str, CheckpointRef | EvalReport]:
-    """Run a checked plan's stages in order as cached tasks; ``refresh``: stage names (or True: all) to rerun."""
+    """Run a checked plan's stages in order as cached tasks; ``refresh``: stage names (or True: all) to rerun.
+
+    Each stage's identity (:meth:`StageSpec.identify`: config, input digests, file digests, code version)
+    is computed once here; it is the task's cache key and names the stage's run folder. Every file is
+    hashed once per flow run."""
     logger = get_run_logger()
-    root = p.recipe.output_root
     outputs: dict[str, CheckpointRef | EvalReport] = {}
-    for st in p.stages:
-        inputs = {k: ([outputs[n] for n in v] if isinstance(v, list) else outputs[v]) for k, v in st.spec.inputs.items()}
-        labels = list(st.spec.inputs["models"]) if st.spec.stage == "eval" else None
-        config = st.config.model_dump(mode="json")
-        key = stage_cache_key(st.spec.stage, config, inputs, labels)
-        force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
-        if not force and not cached_result_usable(key):
-            logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")
-            force = True
-        task = run_stage.with_options(
-            name=f"stage-{st.spec.stage}",
-            task_run_name=st.spec.name,
-            retries=st.spec.retries,
-            retry_delay_seconds=st.spec.retry_delay_seconds,
-            refresh_cache=force or None,
-        )
-        outputs[st.spec.name] = task(st.spec.name, st.spec.stage, config, inputs, labels, root)
+    with remembered_hashes():
+        for st in p.stages:
+            wired = {k: ({n: outputs[n] for n in v} if isinstance(v, list) else outputs[v]) for k, v in st.spec.inputs.items()}
+            inputs = st.stage.resolve_inputs(st.config, wired)  # unwired inputs: the model their config field names
+            run = st.stage.identify(st.config, inputs)
+            force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
+            if not force and not cached_result_usable(run.key):
+                logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")
+                force = True
+            task = run_stage.with_options(
+                name=f"stage-{st.spec.stage}",
+                task_run_name=st.spec.name,
+                retries=st.spec.retries,
+                retry_delay_seconds=st.spec.retry_delay_seconds,
+                refresh_cache=force or None,
+            )
+            outputs[st.spec.name] = task(st.spec.name, run, st.config.model_dump(mode="json"), inputs, reuse=not force)
     return outputs
 
 

@@ -35,9 +35,9 @@ from prefect.artifacts import create_table_artifact
 
 from checkpoints import CheckpointRef, read_manifest
 from flows.full_rlhf import run_plan
-from flows.pipeline import PROJECT_ROOT, STAGES, plan, plan_data
+from flows.pipeline import PROJECT_ROOT, plan, plan_data
+from stages import registry
 from stages.common.recipe import RecipeError, load_config, read_recipe
-from stages.common.worker import load_target
 from stages.eval import EvalReport
 
 # the per-step metric whose trajectory is pinned (default: loss). RL at tiny scale starts from a random
@@ -51,7 +51,7 @@ def find_recipes(recipes_dir: Path) -> list[tuple[Path, str]]:
     out = []
     for path in sorted(recipes_dir.rglob("*.yaml")):
         folder = path.parent.name
-        out.append((path, "pipeline" if folder == "pipelines" else folder if folder in STAGES else "unknown"))
+        out.append((path, "pipeline" if folder == "pipelines" else folder if folder in registry.STAGES else "unknown"))
     return out
 
 
@@ -61,10 +61,11 @@ def trajectory_path(recipe: Path) -> Path:
 
 def small_plan(recipe: Path, stage: str, validation: dict[str, Any], output_root: str):
     """A two-stage plan: the micro model, then the recipe's stage on it with the validation overrides."""
-    first = STAGES[stage].inputs[0]
+    spec = registry.spec(stage)
+    first = spec.inputs[0]
     wire = {first.name: ["base"] if first.many else "base"}
     overrides = dict(validation.get("overrides") or {})
-    if "train" in load_target(STAGES[stage].config).model_fields:
+    if "train" in spec.config.model_fields:
         overrides = {"train.progress_bar": False, **overrides}
     data = {
         "name": f"nightly-{recipe.stem}",
@@ -134,13 +135,13 @@ def nightly_recipe_validation(
         rows.append(row)
         try:
             if kind == "unknown":
-                raise RecipeError(f"{path}: not under recipes/pipelines or recipes/<stage> for a known stage ({sorted(STAGES)})")
+                raise RecipeError(f"{path}: not under recipes/pipelines or recipes/<stage> for a known stage ({sorted(registry.STAGES)})")
             if kind == "pipeline":
                 p = plan(path)
                 row["why"] = f"validated ({len(p.stages)} stages)"
                 continue
             if kind in SKIP_STAGES:  # no micro-scale run: a tiny_model recipe has no input, lora_merge needs an adapter
-                load_config(load_target(STAGES[kind].config), [str(path)])
+                load_config(registry.spec(kind).config, [str(path)])
                 row["why"] = "validated"
                 continue
             _, validation = read_recipe(path)

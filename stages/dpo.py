@@ -38,6 +38,7 @@ from datasets_prep.preference import (
 from stages.common.config import LoraConfig, TrainConfig
 from stages.common.logprobs import token_logps
 from stages.common.preference_losses import PolicyPair, dpo_loss
+from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
 from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
 
 STAGE = "dpo"
@@ -69,10 +70,12 @@ class DPOConfig(BaseModel):
         return self
 
 
-def run_dpo(config: DPOConfig, policy: CheckpointRef, reference: CheckpointRef | None = None) -> CheckpointRef:
+def run_dpo(config: DPOConfig, policy: CheckpointRef, reference: CheckpointRef | None = None, *,
+            run: StageRun | None = None) -> CheckpointRef:
     """Train ``policy`` against ``reference`` (default: the starting policy) on preference pairs."""
     from transformers import AutoTokenizer
 
+    run = SPEC.identify(config, {"policy": policy, "reference": reference}, run)
     verify(policy)
     require_kind(policy, ("full",), "the DPO policy")
     if reference is not None:
@@ -84,9 +87,8 @@ def run_dpo(config: DPOConfig, policy: CheckpointRef, reference: CheckpointRef |
     check_data_fits(config.train, len(items), config.data.paths)
     print(f"[dpo] data: {report.summary()}")
     return train_and_commit(
-        stage=STAGE,
+        run=run,
         config=config,
-        inputs=[policy, reference],
         items=items,
         job={
             "base_path": policy.path,
@@ -225,14 +227,12 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from stages.common.models import resolve_model
-    from stages.common.recipe import load_config
+    print_result(SPEC, argv)
 
-    config = load_config(DPOConfig, argv)
-    policy = resolve_model(config.base, config.output_root)
-    reference = resolve_model(config.reference, config.output_root) if config.reference else None
-    print(run_dpo(config, policy, reference).model_dump_json(indent=2))
 
+SPEC = StageSpec(STAGE, DPOConfig, run_dpo,
+                 (Input("policy", (POLICY,), field="base"), Input("reference", (POLICY,), field="reference")),
+                 output=trained_output(POLICY, ADAPTER), files=("data.paths",))
 
 if __name__ == "__main__":
     main()

@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from checkpoints import CheckpointRef, config_hash, load_ref, require_kind, verify
+from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
 from stages.common.launcher import launch
+from stages.common.stage import POLICY, REPORT, REWARD, Input, StageRun, StageSpec, cli_run
 
 METRICS = ("accuracy", "pass@k", "response_length", "reward", "kl_to_reference")
 
@@ -67,6 +69,17 @@ class EvalReport(BaseModel):
     def files_exist(self) -> bool:
         return all(Path(p).is_file() for p in (self.markdown, self.plot, Path(self.folder) / "metrics.json"))
 
+    @classmethod
+    def of_folder(cls, folder: Path) -> EvalReport:
+        return cls(folder=str(folder), markdown=str(folder / "report.md"), plot=str(folder / "report.png"),
+                   metrics=json.loads((folder / "metrics.json").read_text()))
+
+
+def existing_report(run: StageRun) -> EvalReport | None:
+    """The report a run of this identity finished (``metrics.json`` is written last)."""
+    report = EvalReport.of_folder(run.run_dir) if (run.run_dir / "metrics.json").is_file() else None
+    return report if report is not None and report.files_exist() else None
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021)."""
@@ -77,21 +90,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def run_eval(
     config: EvalConfig,
-    *models: CheckpointRef,
-    labels: list[str] | None = None,
+    models: Mapping[str, CheckpointRef] | Sequence[CheckpointRef],
     reward_model: CheckpointRef | None = None,
     reference: CheckpointRef | None = None,
+    *,
+    run: StageRun | None = None,
 ) -> EvalReport:
-    """Evaluate ``models`` (labelled ``labels``, default ``stage:digest[:8]``) and write the report."""
+    """Evaluate ``models`` ({label: checkpoint}; a plain list is labelled ``stage:digest[:8]``) and write the report."""
     if not models:
         raise ValueError("eval: no models to evaluate (give models=[...] or wire stages into the eval stage)")
-    labels = labels or [f"{m.stage}:{m.digest[:8]}" for m in models]
-    if len(labels) != len(models) or len(set(labels)) != len(labels):
-        raise ValueError(f"eval: labels {labels} must be unique, one per model ({len(models)})")
+    if not isinstance(models, Mapping):
+        labels = [f"{m.stage}:{m.digest[:8]}" for m in models]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"eval: the same checkpoint is given twice ({labels})")
+        models = dict(zip(labels, models, strict=True))
+    run = SPEC.identify(config, {"models": models, "reward_model": reward_model, "reference": reference}, run)
     if config.num_samples and config.pass_k > config.num_samples:
         raise ValueError(f"eval: pass_k={config.pass_k} needs num_samples >= pass_k (got num_samples={config.num_samples})")
     rows = load_rows(config.data, check_prompt_label_row(config.data))
-    for ref in models:
+    for ref in models.values():
         verify(ref)
         require_kind(ref, ("full",), "a model to evaluate (merge adapters first)")
     if reward_model is not None:
@@ -100,15 +117,10 @@ def run_eval(
     if reference is not None:
         verify(reference)
         require_kind(reference, ("full",), "the KL reference of the eval stage")
-    key = config_hash({
-        "config": config.model_dump(mode="json", exclude={"output_root", "models", "reward_model", "reference"}),
-        "models": [m.digest for m in models], "labels": labels,
-        "reward_model": reward_model.digest if reward_model else None, "reference": reference.digest if reference else None,
-    })
-    folder = Path(config.output_root) / f"eval-{key}"
+    folder = run.prepare()
     cfg = config.model_dump(mode="json")
     generated = {}
-    for label, ref in zip(labels, models, strict=True):
+    for label, ref in models.items():
         job = {"config": cfg, "model": ref.path, "rows": rows}
         generated[label] = launch("stages.eval:generate_rank", job, 1, folder / f"generate-{ref.digest[:16]}")
     scores = {}
@@ -117,7 +129,7 @@ def run_eval(
                "reward_model": reward_model.path if reward_model else None, "reference": reference.path if reference else None}
         scores = launch("stages.eval:score_rank", job, 1, folder / "score")
     metrics = {}
-    for label in labels:
+    for label in models:
         g, s = generated[label], scores.get(label, {})
         metrics[label] = {
             "accuracy": g["accuracy"],
@@ -236,16 +248,17 @@ def score_rank(job: dict, rank: int, world_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from stages.common.models import resolve_model
-    from stages.common.recipe import load_config
-
-    config = load_config(EvalConfig, argv)
-    resolve = (lambda spec: resolve_model(spec, config.output_root) if spec else None)  # noqa: E731
-    report = run_eval(config, *(load_ref(m) for m in config.models),
-                      reward_model=resolve(config.reward_model), reference=resolve(config.reference))
+    report = cli_run(SPEC, argv)
     print(Path(report.markdown).read_text())
     print(f"[eval] report: {report.markdown}, plot: {report.plot}")
 
+
+SPEC = StageSpec(
+    "eval", EvalConfig, run_eval,
+    (Input("models", (POLICY,), field="models", required=True, many=True), Input("reward_model", (REWARD,), field="reward_model"),
+     Input("reference", (POLICY,), field="reference")),
+    output=REPORT, files=("data.paths",), result=EvalReport, existing=existing_report,
+)
 
 if __name__ == "__main__":
     main()

@@ -14,15 +14,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from checkpoints import (
-    CheckpointError,
-    CheckpointRef,
-    commit,
-    config_hash,
-    read_manifest,
-    require_kind,
-    staging,
-    verify,
+from checkpoints import CheckpointError, CheckpointRef, commit, read_manifest, require_kind, staging, verify
+from stages.common.stage import (
+    ADAPTER,
+    POLICY,
+    REWARD,
+    REWARD_ADAPTER,
+    Input,
+    StageRun,
+    StageSpec,
+    print_result,
 )
 
 STAGE = "lora_merge"
@@ -36,7 +37,11 @@ class LoraMergeConfig(BaseModel):
     output_root: str = "runs"
 
 
-def run_lora_merge(config: LoraMergeConfig, adapter: CheckpointRef, base: CheckpointRef) -> CheckpointRef:
+def run_lora_merge(config: LoraMergeConfig, adapter: CheckpointRef, base: CheckpointRef | None, *,
+                   run: StageRun | None = None) -> CheckpointRef:
+    if base is None:
+        raise CheckpointError("lora_merge: no base given (wire the base stage, or set base=<checkpoint folder>)")
+    run = SPEC.identify(config, {"adapter": adapter, "base": base}, run)
     verify(adapter)
     verify(base)
     require_kind(adapter, ("adapter",), "the adapter to merge")
@@ -48,12 +53,11 @@ def run_lora_merge(config: LoraMergeConfig, adapter: CheckpointRef, base: Checkp
         )
     manifest = read_manifest(adapter.path)
     head = manifest.stage == "reward_model"
-    key = config_hash({"stage": STAGE, "adapter": adapter.digest, "base": base.digest})
-    dest = Path(config.output_root) / f"{STAGE}-{key}" / "checkpoint"
+    dest = run.prepare() / "checkpoint"
     with staging(dest) as tmp:
         merge_to(adapter.path, base.path, tmp, reward=head, reward_stats=manifest.extra.get("reward_stats") or {})
         return commit(
-            tmp, dest, stage=STAGE, kind="reward" if head else "full", config_hash=key, parent=adapter,
+            tmp, dest, stage=STAGE, kind="reward" if head else "full", config_hash=run.key, parent=adapter,
             extra={"base": base.digest},
         )
 
@@ -75,12 +79,15 @@ def merge_to(adapter_path: str, base_path: str, out: Path, reward: bool, reward_
 
 
 def main(argv: list[str] | None = None) -> None:
-    from checkpoints import load_ref
-    from stages.common.recipe import load_config
+    print_result(SPEC, argv)
 
-    config = load_config(LoraMergeConfig, argv)
-    print(run_lora_merge(config, load_ref(config.adapter), load_ref(config.base)).model_dump_json(indent=2))
 
+SPEC = StageSpec(
+    STAGE, LoraMergeConfig, run_lora_merge,
+    (Input("adapter", (ADAPTER, REWARD_ADAPTER), field="adapter", required=True), Input("base", (POLICY,), field="base")),
+    # merging a reward model's adapter gives a reward model
+    output=lambda config, inputs: REWARD if inputs.get("adapter") == REWARD_ADAPTER else POLICY,
+)
 
 if __name__ == "__main__":
     main()

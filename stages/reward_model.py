@@ -34,6 +34,16 @@ from datasets_prep.preference import (
 )
 from stages.common.config import LoraConfig, TrainConfig
 from stages.common.preference_losses import RewardPair, reward_loss
+from stages.common.stage import (
+    POLICY,
+    REWARD,
+    REWARD_ADAPTER,
+    Input,
+    StageRun,
+    StageSpec,
+    print_result,
+    trained_output,
+)
 from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
 
 STAGE = "reward_model"
@@ -52,10 +62,11 @@ class RewardModelConfig(BaseModel):
     output_root: str = "runs"
 
 
-def run_reward_model(config: RewardModelConfig, base: CheckpointRef) -> CheckpointRef:
+def run_reward_model(config: RewardModelConfig, base: CheckpointRef, *, run: StageRun | None = None) -> CheckpointRef:
     """Train a reward model from ``base`` (a causal LM); returns a ``reward`` (or ``adapter``) checkpoint."""
     from transformers import AutoTokenizer
 
+    run = SPEC.identify(config, {"base": base}, run)
     verify(base)
     require_kind(base, ("full",), "the reward model's starting model")
     reward_loss(config.loss)
@@ -66,9 +77,8 @@ def run_reward_model(config: RewardModelConfig, base: CheckpointRef) -> Checkpoi
     check_data_fits(config.train, len(items), config.data.paths)
     print(f"[reward_model] data: {report.summary()}; {len(eval_pairs)} eval pairs")
     return train_and_commit(
-        stage=STAGE,
+        run=run,
         config=config,
-        inputs=[base],
         items=items,
         job={"base_path": base.path, "packed": config.data.packing, "eval_pairs": [vars(p) for p in eval_pairs]},
         kind="adapter" if config.lora.enabled else "reward",
@@ -181,13 +191,11 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from stages.common.models import resolve_model
-    from stages.common.recipe import load_config
+    print_result(SPEC, argv)
 
-    config = load_config(RewardModelConfig, argv)
-    ref = run_reward_model(config, resolve_model(config.base, config.output_root))
-    print(ref.model_dump_json(indent=2))
 
+SPEC = StageSpec(STAGE, RewardModelConfig, run_reward_model, (Input("base", (POLICY,), field="base"),),
+                 output=trained_output(REWARD, REWARD_ADAPTER), files=("data.paths", "eval_data.paths"))
 
 if __name__ == "__main__":
     main()

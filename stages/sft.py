@@ -19,6 +19,7 @@ from datasets_prep.packing import PackedRow, collate, loss_tokens, pack
 from datasets_prep.sft import Example, prepare_sft
 from stages.common.config import LoraConfig, TrainConfig
 from stages.common.logprobs import masked_sum, token_logps
+from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
 from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
 
 STAGE = "sft"
@@ -36,10 +37,11 @@ class SFTConfig(BaseModel):
     output_root: str = "runs"
 
 
-def run_sft(config: SFTConfig, base: CheckpointRef) -> CheckpointRef:
+def run_sft(config: SFTConfig, base: CheckpointRef, *, run: StageRun | None = None) -> CheckpointRef:
     """Train ``base`` on ``config.data``; returns the committed checkpoint (full model or adapter)."""
     from transformers import AutoTokenizer
 
+    run = SPEC.identify(config, {"base": base}, run)
     verify(base)
     require_kind(base, ("full",), "the SFT base model")
     tokenizer = AutoTokenizer.from_pretrained(base.path)
@@ -48,9 +50,8 @@ def run_sft(config: SFTConfig, base: CheckpointRef) -> CheckpointRef:
     check_data_fits(config.train, len(items), config.data.paths)
     print(f"[sft] data: {report.summary()}" + (f"; packed into {len(items)} rows" if config.data.packing else ""))
     return train_and_commit(
-        stage=STAGE,
+        run=run,
         config=config,
-        inputs=[base],
         items=items,
         job={"base_path": base.path, "packed": config.data.packing},
         kind="adapter" if config.lora.enabled else "full",
@@ -112,13 +113,11 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from stages.common.models import resolve_model
-    from stages.common.recipe import load_config
+    print_result(SPEC, argv)
 
-    config = load_config(SFTConfig, argv)
-    ref = run_sft(config, resolve_model(config.base, config.output_root))
-    print(ref.model_dump_json(indent=2))
 
+SPEC = StageSpec(STAGE, SFTConfig, run_sft, (Input("base", (POLICY,), field="base"),),
+                 output=trained_output(POLICY, ADAPTER), files=("data.paths",))
 
 if __name__ == "__main__":
     main()

@@ -15,13 +15,12 @@ Run: ``python -m stages.tiny_model recipes/base/tiny.yaml [key=value ...]``
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from checkpoints import CheckpointRef, commit, config_hash, load_ref, staging
-from checkpoints.store import MANIFEST
+from checkpoints import CheckpointRef, commit, staging
+from stages.common.stage import StageRun, StageSpec, committed_checkpoint, print_result
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -46,15 +45,14 @@ class TinyModelConfig(BaseModel):
     output_root: str = "runs"
 
 
-def run_tiny_model(config: TinyModelConfig) -> CheckpointRef:
-    """Build tokenizer + model and commit them as a ``full`` checkpoint (idempotent per config)."""
-    from datasets_prep.synthetic import corpus
-
-    # the tokenizer is trained on the task's text: a change to the task is a new model
-    key = config_hash({**config.model_dump(exclude={"output_root"}), "corpus": config_hash(corpus(config.seed))})
-    dest = Path(config.output_root) / f"tiny_model-{config.preset}-{key}"
-    if (dest / MANIFEST).is_file():
-        return load_ref(dest)
+def run_tiny_model(config: TinyModelConfig, *, run: StageRun | None = None) -> CheckpointRef:
+    """Build tokenizer + model and commit them as a ``full`` checkpoint (idempotent per identity: the
+    tokenizer is trained on the task's text, whose generator is in the stage's code version)."""
+    run = SPEC.identify(config, {}, run)
+    done = committed_checkpoint(run)
+    if done is not None:
+        return done
+    dest = run.prepare() / "checkpoint"
     tokenizer = build_tokenizer(config.vocab_size, config.seed)
     model = build_model(config, tokenizer)
     with staging(dest) as tmp:
@@ -65,7 +63,7 @@ def run_tiny_model(config: TinyModelConfig) -> CheckpointRef:
             dest,
             stage="tiny_model",
             kind="full",
-            config_hash=key,
+            config_hash=run.key,
             extra={"preset": config.preset, "parameters": sum(p.numel() for p in model.parameters())},
         )
 
@@ -134,12 +132,10 @@ def build_model(config: TinyModelConfig, tokenizer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from stages.common.recipe import load_config
+    print_result(SPEC, argv)
 
-    config = load_config(TinyModelConfig, argv)
-    ref = run_tiny_model(config)
-    print(ref.model_dump_json(indent=2))
 
+SPEC = StageSpec("tiny_model", TinyModelConfig, run_tiny_model)
 
 if __name__ == "__main__":
     main()

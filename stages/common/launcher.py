@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from stages.common import worker  # each rank's entry point (imported so it is in every stage's code version)
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -118,7 +120,7 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
         for rank in range(world_size):
             log = open(run_dir / "logs" / f"rank{rank}.log", "w")
             logs.append(log)
-            cmd = [sys.executable, "-m", "stages.common.worker", target, str(job_path), str(run_dir)]
+            cmd = [sys.executable, "-m", worker.__name__, target, str(job_path), str(run_dir)]
             out = None if rank == 0 else log
             procs.append(
                 subprocess.Popen(

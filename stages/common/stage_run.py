@@ -14,21 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from checkpoints import CheckpointRef, commit, config_hash, staging
+from checkpoints import CheckpointRef, commit, staging
 from checkpoints.store import CheckpointKind
 from stages.common.launcher import launch
-
-# Settings that change how a run is watched or continued, not what it computes.
-WATCH_SETTINGS = ("progress_bar", "logging_steps")  # how a run is watched, not what it computes
-_NOT_IN_KEY = ("resume", *WATCH_SETTINGS)
-
-
-def run_key(stage: str, config: BaseModel, *inputs: CheckpointRef | None) -> str:
-    """What identifies a training run: the stage, its config (less paths and watching) and its inputs."""
-    cfg = config.model_dump(mode="json", exclude={"output_root", "base", "reference"})
-    for k in _NOT_IN_KEY:
-        cfg.get("train", {}).pop(k, None)
-    return config_hash({"stage": stage, "config": cfg, "inputs": [r.digest if r else None for r in inputs]})
+from stages.common.stage import StageRun
 
 
 def check_data_fits(train, num_items: int, paths: list[str]) -> None:
@@ -44,9 +33,8 @@ def total_steps(train, num_items: int) -> int:
 
 def train_and_commit(
     *,
-    stage: str,
+    run: StageRun,
     config: BaseModel,
-    inputs: list[CheckpointRef | None],
     items: list[Any],
     job: dict[str, Any],
     kind: CheckpointKind,
@@ -54,10 +42,9 @@ def train_and_commit(
     base: CheckpointRef | None,
     extra: dict[str, Any],
 ) -> CheckpointRef:
-    """Launch ``stages.<stage>:train_rank`` on ``config.train.world_size`` ranks and commit its output."""
-    key = run_key(stage, config, *inputs)
-    run_dir = Path(config.output_root) / f"{stage}-{key}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Launch ``stages.<stage>:train_rank`` on ``config.train.world_size`` ranks and commit its output
+    into the run's folder (named by its identity; in-stage state and metrics live there too)."""
+    run_dir = run.prepare()
     items_path = run_dir / "items.json"
     items_path.write_text(json.dumps([dataclasses.asdict(it) for it in items]))
     dest = run_dir / "checkpoint"
@@ -69,13 +56,13 @@ def train_and_commit(
             "run_dir": str(run_dir),
             **job,
         }
-        result = launch(f"stages.{stage}:train_rank", full_job, config.train.world_size, run_dir)
+        result = launch(f"stages.{run.stage}:train_rank", full_job, config.train.world_size, run_dir)
         return commit(
             tmp,
             dest,
-            stage=stage,
+            stage=run.stage,
             kind=kind,
-            config_hash=key,
+            config_hash=run.key,
             parent=parent,
             base=base,
             extra={**extra, **result},

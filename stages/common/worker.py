@@ -6,19 +6,12 @@ any exception's traceback goes to ``RUN_DIR/rank{r}.error`` for the launcher to 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
+import pkgutil
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
-
-
-def load_target(spec: str) -> Any:
-    """The object ``module:name`` names (launcher targets, the pipeline's stage configs and functions)."""
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def main() -> None:
@@ -26,7 +19,7 @@ def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         job = json.loads(job_path.read_text())
-        result = load_target(target)(job, rank, world_size)
+        result = pkgutil.resolve_name(target)(job, rank, world_size)
         if rank == 0:
             tmp = run_dir / "result.json.tmp"
             tmp.write_text(json.dumps(result or {}))

@@ -32,7 +32,7 @@ from datasets_prep.packing import BatchSchedule
 from datasets_prep.sft import render_prompt
 from stages.common.launcher import PROJECT_ROOT
 from stages.common.progress import report_progress
-from stages.common.stage_run import run_key
+from stages.common.stage import POLICY, REWARD, Input, StageRun, StageSpec, print_result
 from stages.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdvantageInput, aggregation_normaliser
 from stages.rl.config import RLConfig
 from stages.rl.rewards import FuncReward, HttpReward, RewardError
@@ -105,7 +105,8 @@ def ray_cluster(cfg: RLConfig):
             signal.signal(signal.SIGTERM, previous)
 
 
-def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef | None = None) -> CheckpointRef:
+def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef | None = None, *,
+           run: StageRun | None = None) -> CheckpointRef:
     """Train ``policy`` with RL against the configured reward source; returns the final checkpoint."""
     from transformers import AutoTokenizer
 
@@ -117,6 +118,7 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
         from checkpoints import load_ref
 
         reward_model = load_ref(config.reward.model)
+    run = SPEC.identify(config, {"policy": policy, "reward_model": reward_model}, run)
     if reward_model is not None:
         verify(reward_model)
         require_kind(reward_model, ("reward",), "the RL reward model")
@@ -128,16 +130,14 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
     if len(rows) < config.rollout.rollout_batch_size:
         raise ValueError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
-    key = run_key(STAGE, config, policy)
-    run_dir = Path(config.output_root) / f"{STAGE}-{key}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run.prepare()
     dest = run_dir / "checkpoint"
     with staging(dest) as tmp, ray_cluster(config):
         loop = RLLoop(config, policy.path, tokenizer, rows, eval_rows, reward_fn, run_dir,
                       reward_model.path if reward_model else None)
         summary = loop.run()
         loop.export(str(tmp))
-        return commit(tmp, dest, stage=STAGE, kind="full", config_hash=key, parent=policy, extra=summary)
+        return commit(tmp, dest, stage=STAGE, kind="full", config_hash=run.key, parent=policy, extra=summary)
 
 
 def place(cfg: RLConfig):
@@ -521,8 +521,14 @@ class RLLoop:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from stages.common.models import resolve_model
-    from stages.common.recipe import load_config
+    print_result(SPEC, argv)
 
-    config = load_config(RLConfig, argv)
-    print(run_rl(config, resolve_model(config.base, config.output_root)).model_dump_json(indent=2))
+
+SPEC = StageSpec(
+    STAGE, RLConfig, run_rl,
+    (Input("policy", (POLICY,), field="base"), Input("reward_model", (REWARD,), field="reward.model")),
+    files=("data.paths", "eval_data.paths", "reward.func"),
+)
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -68,14 +67,21 @@ def run_flow(**kwargs):
     return state, task_states(state)
 
 
-def test_cache_hits_and_every_kind_of_miss(results, task_files, monkeypatch):
-    from flows import pipeline
+def project_copy(root: Path, monkeypatch) -> Path:
+    """Code versions read from a copy of the project's packages, which a test may edit (the code that runs
+    is the real one: what is tested is what decides whether a stage reruns)."""
+    import shutil
 
-    # the SFT stage's code version includes one more file here, so a test can change "the stage code"
-    extra_source = results / "sft_extra.py"
-    extra_source.write_text("VERSION = 1\n")
-    sft = pipeline.STAGES["sft"]
-    monkeypatch.setitem(pipeline.STAGES, "sft", dataclasses.replace(sft, sources=(*sft.sources, str(extra_source))))
+    from stages.common import stage
+
+    for pkg in ("checkpoints", "datasets_prep", "flows", "stages"):
+        shutil.copytree(ROOT / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(stage, "PROJECT_ROOT", root)
+    return root
+
+
+def test_cache_hits_and_every_kind_of_miss(results, task_files, monkeypatch):
+    code = project_copy(results / "project", monkeypatch)
     recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs")
 
     state, tasks = run_flow(pipeline=str(recipe))
@@ -107,7 +113,8 @@ def test_cache_hits_and_every_kind_of_miss(results, task_files, monkeypatch):
     verify(state.result()["sft"]["path"])
 
     # the stage's code changes
-    extra_source.write_text("VERSION = 2\n")
+    with open(code / "stages" / "sft.py", "a") as f:
+        f.write("\n# edited\n")
     _, tasks = run_flow(pipeline=str(recipe))
     assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
 
@@ -118,6 +125,58 @@ def test_cache_hits_and_every_kind_of_miss(results, task_files, monkeypatch):
     # refresh forces a stage to rerun
     _, tasks = run_flow(pipeline=str(recipe), refresh=["sft"])
     assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
+
+
+def test_one_identity_transitive_code_edits_data_edits_in_place_and_a_cli_run(results, task_files, monkeypatch):
+    """The run identity decides everything: an edit to a module DPO imports only through another reruns DPO
+    alone; a dataset edited in place gives DPO a new run folder and leaves the old checkpoint as it was;
+    an SFT run from the CLI is found by the flow (same identity, same folder) instead of trained again."""
+    import shutil
+
+    from checkpoints import read_manifest
+
+    code = project_copy(results / "project", monkeypatch)
+    pairs = results / "pairs.jsonl"  # a data file the test edits in place
+    shutil.copy(task_files["preference"], pairs)
+    recipe = write_pipeline(results / "pipeline.yaml", {**task_files, "preference": pairs}, results / "runs", with_dpo=True)
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1), "dpo": ("Completed", 1)}
+    first = state.result()
+
+    # datasets_prep/preference.py: imported by the DPO stage (through datasets_prep and stages.common
+    # modules too), never by SFT or the tiny-model factory
+    with open(code / "datasets_prep" / "preference.py", "a") as f:
+        f.write("\n# edited\n")
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Cached", 1), "dpo": ("Completed", 1)}
+    second = state.result()
+    assert Path(second["dpo"]["path"]).parent != Path(first["dpo"]["path"]).parent
+
+    # the preference data edited in place (its last pair dropped): a new folder; the old checkpoint stands
+    lines = pairs.read_text().splitlines(keepends=True)
+    pairs.write_text("".join(lines[:-1]))
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Cached", 1), "dpo": ("Completed", 1)}
+    third = state.result()
+    assert Path(third["dpo"]["path"]).parent not in (Path(p["dpo"]["path"]).parent for p in (first, second))
+    assert verify(second["dpo"]["path"]).digest == second["dpo"]["digest"]  # untouched
+    assert verify(third["dpo"]["path"]).extra["data"]["rows"] == len(lines) - 1
+
+    # SFT from its CLI with the flow's recipe, overrides and base; then the flow with those settings
+    shutil.rmtree(code)
+    project_copy(code, monkeypatch)  # the code as it is (the CLI subprocess reads the real files)
+    sft_cli = [f"base={first['base']['path']}", f"data.paths=[{task_files['sft']}]", "train.max_steps=2",
+               "train.progress_bar=false", f"output_root={results / 'runs'}"]
+    out = subprocess.run([sys.executable, "-m", "stages.sft", "recipes/sft/tiny.yaml", *sft_cli], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    cli_ref = json.loads(out.stdout[out.stdout.index("{"):])
+    created = read_manifest(cli_ref["path"]).created
+    state, tasks = run_flow(pipeline=str(recipe), overrides={"sft": {"train.max_steps": 2}})
+    assert tasks["base"] == ("Cached", 1) and tasks["sft"] == ("Completed", 1) and tasks["dpo"] == ("Completed", 1)
+    assert state.result()["sft"]["digest"] == cli_ref["digest"]
+    assert read_manifest(cli_ref["path"]).created == created  # not trained again: the CLI's checkpoint itself
+    assert not (Path(cli_ref["path"]).parent / "task").exists()  # the flow launched no stage process for it
 
 
 def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage(results, task_files, monkeypatch):

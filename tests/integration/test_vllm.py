@@ -45,7 +45,7 @@ def test_eval_stage_report(trained, micro_model, task_files, tmp_path):
         "data": {"paths": [str(task_files["eval"])], "prompt_key": "prompt", "label_key": "answer"},
         "max_new_tokens": 8, "num_samples": 4, "pass_k": 2, "output_root": str(tmp_path),
     })
-    report = run_eval(cfg, micro_model, trained, labels=["base", "sft"], reference=trained)
+    report = run_eval(cfg, {"base": micro_model, "sft": trained}, reference=trained)
     base, sft = report.metrics["base"], report.metrics["sft"]
     assert base["n"] == sft["n"] == 32
     assert base["accuracy"] == 0.0 and base["pass@k"] < 0.1  # random init (a sampled digit can hit a 1-digit sum)

@@ -1,0 +1,132 @@
+"""A stage run's one identity: what changes it (config, inputs, data contents, code in the import closure)
+and what does not (watching, resuming, where runs go); the run folder it names; file hashing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpoints import CheckpointError, CheckpointRef, remembered_hashes, sha256_file
+from checkpoints.store import _REMEMBERED
+from stages import registry
+from stages.common.stage import PROJECT_ROOT, StageRun, code_version, import_closure
+from stages.rl.config import RLConfig
+from stages.sft import SFTConfig
+
+
+def ref(digest: str) -> CheckpointRef:
+    return CheckpointRef(path="/x", stage="sft", kind="full", config_hash="c", digest=digest)
+
+
+def sft_config(tmp_path: Path, **train) -> SFTConfig:
+    data = tmp_path / "sft.jsonl"
+    if not data.exists():
+        data.write_text('{"input": "1+1", "output": "2"}\n')
+    return SFTConfig.model_validate({"data": {"paths": [str(data)]}, "train": train, "output_root": str(tmp_path / "runs")})
+
+
+def test_identity_follows_config_and_inputs_not_watching_resuming_or_where_runs_go(tmp_path):
+    spec = registry.spec("sft")
+    run = spec.identify(sft_config(tmp_path), {"base": ref("a")})
+    assert run.key.startswith("sft-") and run.run_dir == tmp_path / "runs" / run.key
+    same = [sft_config(tmp_path, progress_bar=False, logging_steps=5, resume=True),
+            sft_config(tmp_path).model_copy(update={"output_root": str(tmp_path / "elsewhere"), "base": "tiny:micro"})]
+    assert all(spec.identify(c, {"base": ref("a")}).key == run.key for c in same)
+    assert spec.identify(sft_config(tmp_path, lr=2.0), {"base": ref("a")}).key != run.key
+    assert spec.identify(sft_config(tmp_path), {"base": ref("b")}).key != run.key
+    # a flow hands the stage the identity it computed; one of another config is refused
+    assert spec.identify(sft_config(tmp_path), {"base": ref("a")}, run) is run
+    with pytest.raises(ValueError, match="computed for another config or other inputs"):
+        spec.identify(sft_config(tmp_path, lr=2.0), {"base": ref("a")}, run)
+    with pytest.raises(ValueError, match=r"no inputs named \['policy'\]"):
+        spec.identify(sft_config(tmp_path), {"policy": ref("a")})
+
+
+def test_identity_follows_the_contents_of_every_file_the_config_names(tmp_path):
+    data, reward = tmp_path / "train.jsonl", tmp_path / "reward.py"
+    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    reward.write_text("def reward_func(q, p, l): ...\n")
+    cfg = RLConfig.model_validate({"data": {"paths": [str(data)]}, "reward": {"func": str(reward)}})
+    spec = registry.spec("rl")
+    key = spec.identify(cfg, {"policy": ref("a")}).key
+    assert spec.identify(cfg, {"policy": ref("a")}).key == key
+    data.write_text('{"prompt": "1+1", "label": "3"}\n')  # same path, edited rows
+    edited = spec.identify(cfg, {"policy": ref("a")}).key
+    assert edited != key
+    reward.write_text("def reward_func(q, p, l): return {}\n")
+    assert spec.identify(cfg, {"policy": ref("a")}).key not in (key, edited)
+    folder = tmp_path / "hf_dataset"  # a saved dataset folder: every file counts
+    folder.mkdir()
+    (folder / "part-0.arrow").write_bytes(b"\x00\x01")
+    sft = SFTConfig.model_validate({"data": {"paths": [str(folder)]}})
+    before = registry.spec("sft").identify(sft, {"base": ref("a")})
+    (folder / "part-0.arrow").write_bytes(b"\x00\x02")
+    assert registry.spec("sft").identify(sft, {"base": ref("a")}).key != before.key
+    assert list(before.parts["files"]) == [str(folder)]
+
+
+def test_code_version_is_the_import_closure_and_an_edit_reruns_exactly_the_stages_that_import_it(tmp_path):
+    files = {f.relative_to(PROJECT_ROOT).as_posix() for f in import_closure("stages.rl.driver")}
+    # imported only inside a function, two modules down (stages.rl.learner -> build_reference_engine)
+    assert "stages/dpo.py" in files and "stages/rl/learner.py" in files and "stages/common/worker.py" in files
+    assert "stages/dpo.py" not in {f.relative_to(PROJECT_ROOT).as_posix() for f in import_closure("stages.sft")}
+    assert not any(f.startswith(("flows/", "tests/", "bench/")) for f in files)
+
+    copy = tmp_path / "project"  # the project's packages, to edit freely
+    for pkg in ("checkpoints", "datasets_prep", "flows", "stages"):
+        shutil.copytree(PROJECT_ROOT / pkg, copy / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    specs = {name: registry.spec(name) for name in registry.STAGES}
+
+    def versions() -> dict[str, str]:
+        return {name: code_version(s.modules, copy) for name, s in specs.items()}
+
+    before = versions()
+    assert before == {name: code_version(s.modules) for name, s in specs.items()}  # same files, same versions
+    with open(copy / "stages/dpo.py", "a") as f:
+        f.write("\n# edited\n")
+    after = versions()
+    assert {n for n in specs if after[n] != before[n]} == {"dpo", "rl"}
+    with open(copy / "datasets_prep/preference.py", "a") as f:
+        f.write("\n# edited\n")
+    assert {n for n, v in versions().items() if v != after[n]} == {"reward_model", "dpo", "rl", "eval"}
+    with open(copy / "checkpoints/store.py", "a") as f:  # shared by every stage
+        f.write("\n# edited\n")
+    assert all(v != after[n] for n, v in versions().items())
+
+
+def test_a_run_folder_holds_one_identity(tmp_path):
+    run = StageRun(stage="sft", key="sft-aaaa", output_root=str(tmp_path), parts={})
+    assert run.prepare() == tmp_path / "sft-aaaa"
+    assert run.prepare() == tmp_path / "sft-aaaa"  # the same identity again: fine
+    (tmp_path / "sft-bbbb").mkdir()
+    shutil.copy(tmp_path / "sft-aaaa" / "identity.json", tmp_path / "sft-bbbb" / "identity.json")  # a copied folder
+    with pytest.raises(CheckpointError, match=r"sft-bbbb: holds a run of identity 'sft-aaaa', not 'sft-bbbb'"):
+        StageRun(stage="sft", key="sft-bbbb", output_root=str(tmp_path), parts={}).prepare()
+
+
+def test_file_hashes_are_remembered_within_a_run_only_for_files_that_settled(tmp_path):
+    fresh, old = tmp_path / "fresh.jsonl", tmp_path / "old.jsonl"
+    fresh.write_text("a\n")
+    old.write_text("b\n")
+    past = time.time_ns() - 10_000_000_000
+    os.utime(old, ns=(past, past))
+    assert sha256_file(old) == hashlib.sha256(b"b\n").hexdigest()  # outside a run: nothing remembered
+    with remembered_hashes():
+        assert sha256_file(fresh) == hashlib.sha256(b"a\n").hexdigest()
+        assert sha256_file(old) == hashlib.sha256(b"b\n").hexdigest()
+        remembered = {k[0] for k in _REMEMBERED.get()}
+        assert str(old.resolve()) in remembered and str(fresh.resolve()) not in remembered
+        fresh.write_text("c\n")  # same size, same tick: still read again
+        assert sha256_file(fresh) == hashlib.sha256(b"c\n").hexdigest()
+        old.write_text("d\n")  # edited: its times change, the remembered hash no longer applies
+        assert sha256_file(old) == hashlib.sha256(b"d\n").hexdigest()
+        os.utime(old, ns=(past, past))
+        with open(old, "rb") as f:  # read once more now, then answered from memory
+            expected = hashlib.file_digest(f, "sha256").hexdigest()
+        assert sha256_file(old) == expected
+    assert _REMEMBERED.get() is None
