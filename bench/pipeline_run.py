@@ -3,6 +3,9 @@
 Each run is ``python -m flows.full_rlhf recipes/pipelines/tiny.yaml`` in a subprocess, as ``make run``
 does, with a fresh output root and Prefect home for the cold run (so nothing is cached), then the same
 command again. Prints a table of wall time and task states per run and writes bench/results/pipeline_run.json.
+Then, in this process, what the cached run spends deciding that nothing reruns: planning the pipeline, and
+every stage's identity (code closure, file digests) plus the verification of its committed output, with
+each file hashed once; every stage must find the folder the flow wrote (same identity), else it fails.
 
 Run: ``python -m bench.pipeline_run [--root runs/bench-pipeline] [--pipeline recipes/pipelines/tiny.yaml]``
 """
@@ -34,6 +37,26 @@ def run_once(pipeline: str, root: Path, env: dict[str, str], log: Path) -> dict:
     return {"wall_s": round(wall, 1), "exit_code": code, "states": states, "log": str(log)}
 
 
+def identity_cost(pipeline: str, root: Path) -> dict:
+    """Seconds to plan, then to identify every stage and verify its committed output (as a cached flow run does)."""
+    os.chdir(ROOT)
+    from checkpoints import remembered_hashes
+    from flows.pipeline import plan
+
+    t = time.perf_counter()
+    p = plan(pipeline, output_root=str(root))
+    planned = time.perf_counter() - t
+    outputs: dict = {}
+    with remembered_hashes():
+        for st in p.stages:
+            wired = {k: ({n: outputs[n] for n in v} if isinstance(v, list) else outputs[v]) for k, v in st.spec.inputs.items()}
+            run = st.stage.identify(st.config, st.stage.resolve_inputs(st.config, wired))
+            outputs[st.spec.name] = st.stage.existing(run)
+            if outputs[st.spec.name] is None:
+                raise SystemExit(f"{st.spec.name}: no finished output under {run.run_dir}: this process's identity differs from the flow's")
+    return {"plan_s": round(planned, 2), "identify_and_verify_s": round(time.perf_counter() - t - planned, 2)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.pipeline_run", description=__doc__.split("\n")[0])
     ap.add_argument("--root", default="runs/bench-pipeline")
@@ -51,7 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in rows.items():
         states = ", ".join(f"{k}: {v}" for k, v in r["states"].items())
         print(f"| {name} | {r['wall_s']} | {r['exit_code']} | {states} |")
-    result = {"pipeline": args.pipeline, "cpu_count": os.cpu_count(), **rows}
+    cost = identity_cost(args.pipeline, root)
+    print(f"\ndeciding nothing reruns, in-process: plan {cost['plan_s']} s, identities + verified outputs of every stage "
+          f"{cost['identify_and_verify_s']} s")
+    result = {"pipeline": args.pipeline, "cpu_count": os.cpu_count(), **rows, "identity": cost}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
     print(f"wrote {OUT}")
