@@ -14,8 +14,12 @@ def make_llm(
     dtype: str = "bfloat16",
     gpu_memory_utilization: float = 0.3,
     worker_extension_cls: str | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ):
-    """An in-process ``vllm.LLM`` (no engine subprocess: starts in seconds and dies with its process)."""
+    """An in-process ``vllm.LLM`` (no engine subprocess: starts in seconds and dies with its process).
+
+    ``logprobs_mode="processed_logprobs"``: sampled tokens' log-probs after temperature (what the RL
+    learners train on); prompt log-probs (:func:`sequence_logprobs`) stay raw either way."""
     import torch
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -33,6 +37,7 @@ def make_llm(
         enforce_eager=True,
         distributed_executor_backend="uni",
         worker_extension_cls=worker_extension_cls or "",
+        logprobs_mode=logprobs_mode,
         **kwargs,
     )
 

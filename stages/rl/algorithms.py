@@ -3,8 +3,14 @@
 One signature per family, so the driver never special-cases an algorithm:
 
 - advantage estimators: ``(AdvantageInput) -> (advantages [B, T], returns [B, T])``
-- KL estimators: ``(logp [B, T], ref_logp [B, T]) -> kl [B, T]``
+- KL estimators: ``(logp [B, T], ref_logp [B, T]) -> kl [B, T]``, every value clamped to [-10, 10]
 - policy losses: ``(PolicyLossInput) -> (per-token loss [B, T], clipped [B, T] bool)``
+- the critic's loss: :func:`value_loss` (clipped, per token)
+
+Numerical guards, as OpenRLHF's: KL values clamped to [-10, 10], the PPO log-ratio to [-20, 20] before
+``exp``; and, beyond OpenRLHF, nothing at a masked position (padding, prompt) reaches a loss or a
+gradient: inputs are zeroed there with ``torch.where`` before any arithmetic, so even an inf or NaN
+log-prob at a masked position leaves the loss and every gradient finite.
 
 Shapes: B sequences (prompts x ``n_samples_per_prompt``, grouped consecutively), T response tokens,
 ``mask`` [B, T] is 1 on response tokens. Follows OpenRLHF's definitions (``experience_maker.py``,
@@ -63,7 +69,9 @@ class AdvantageInput:
     kl: torch.Tensor | None = None  # [B, T] per-token KL to the reference, when KL is in the reward
     kl_coef: float = 0.0
     gamma: float = 1.0
-    reward_clip: float | None = None  # clip the (baselined) sequence reward to [-c, c]
+    # clip the (baselined) sequence reward to [-c, c]. OpenRLHF clips the raw reward before its baseline;
+    # here the clip applies to what the estimator hands on (for gae and reinforce: the raw reward too)
+    reward_clip: float | None = None
 
 
 def _grouped(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -114,6 +122,24 @@ def dr_grpo(inp: AdvantageInput):
     return _finish(inp, (g - g.mean(-1, keepdim=True)).flatten(), whiten_adv=False)
 
 
+def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lambd: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016), as OpenRLHF's
+    ``get_advantages_and_returns`` (the ``gae`` estimator's core; the critic that supplies the values is
+    the next step, see the README's RL section): delta_t = r_t + gamma V_{t+1} - V_t (V = 0 past a response's end),
+    A_t = delta_t + gamma lambda A_{t+1}; returns = A + V (before any whitening). [B, T] each."""
+    m = mask.to(values.dtype)
+    values, rewards = values * m, rewards * m
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lambd * last
+        adv[:, t] = last
+    return adv * m, (adv + values) * m
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInput], tuple[torch.Tensor, torch.Tensor]]] = {
     "reinforce": reinforce,
     "reinforce_baseline": reinforce_baseline,
@@ -126,21 +152,24 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInput], tuple[torch.Tensor, t
 # KL estimators (Schulman, "Approximating KL divergence", 2020), for KL(pi || ref) on pi's samples
 
 
+KL_CLAMP = 10.0  # every estimator's value lies in [-10, 10], as OpenRLHF's compute_approx_kl
+
+
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k1 = log pi - log ref (unbiased, high variance, can be negative)."""
-    return logp - ref_logp
+    return (logp - ref_logp).clamp(-KL_CLAMP, KL_CLAMP)
 
 
 def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k2 = (log pi - log ref)^2 / 2 (biased, low variance, >= 0)."""
-    return 0.5 * (logp - ref_logp) ** 2
+    return (0.5 * (logp - ref_logp) ** 2).clamp(-KL_CLAMP, KL_CLAMP)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 = exp(log ref - log pi) - 1 - (log ref - log pi) (unbiased, >= 0). The log-ratio is clamped
-    to [-10, 10] before exp, as OpenRLHF, so one outlier token cannot overflow."""
-    r = (ref_logp - logp).clamp(-10, 10)
-    return torch.exp(r) - 1 - r
+    to [-20, 20] before exp so it cannot overflow, then the value to [-10, 10] (OpenRLHF clamps the value)."""
+    r = (ref_logp - logp).clamp(-20, 20)
+    return (torch.exp(r) - 1 - r).clamp(-KL_CLAMP, KL_CLAMP)
 
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
@@ -160,22 +189,35 @@ class PolicyLossInput:
     dual_clip: float | None = None  # c > 1: bound the loss of negative-advantage tokens at c * |A|
 
 
+LOG_RATIO_CLAMP = 20.0  # the PPO log-ratio before exp, as OpenRLHF's PolicyLoss
+
+
+def masked_inputs(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log pi - log pi_old, advantages, mask as bool) with zeros at masked positions, selected with
+    ``torch.where`` so that whatever sits there (inf, NaN) reaches neither the loss nor the gradient."""
+    keep = inp.mask.bool()
+    zero = torch.zeros((), dtype=inp.logp.dtype, device=inp.logp.device)
+    log_ratio = torch.where(keep, inp.logp - torch.where(keep, inp.old_logp, zero), zero)
+    return log_ratio, torch.where(keep, inp.advantages, zero), keep
+
+
 def ppo_clip(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip (Schulman et al. 2017) with separate low/high epsilon (DAPO's clip-higher) and
     optional dual-clip (Ye et al. 2020). Per-token loss [B, T] and where clipping was active."""
-    ratio = torch.exp(inp.logp - inp.old_logp)
-    surr1 = ratio * inp.advantages
-    surr2 = ratio.clamp(1 - inp.clip_eps_low, 1 + inp.clip_eps_high) * inp.advantages
+    log_ratio, adv, keep = masked_inputs(inp)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1 - inp.clip_eps_low, 1 + inp.clip_eps_high) * adv
     loss = -torch.min(surr1, surr2)
     clipped = surr2 < surr1
     if inp.dual_clip is not None:
         if inp.dual_clip <= 1:
             raise ValueError(f"dual_clip: {inp.dual_clip} must be > 1")
-        bound = -inp.dual_clip * inp.advantages  # for A < 0: loss <= c * |A|
-        neg = inp.advantages < 0
+        bound = -inp.dual_clip * adv  # for A < 0: loss <= c * |A|
+        neg = adv < 0
         clipped = clipped | (neg & (loss > bound))
         loss = torch.where(neg, torch.min(loss, bound), loss)
-    return loss * inp.mask, clipped & inp.mask.bool()
+    return torch.where(keep, loss, 0.0), clipped & keep
 
 
 def gspo(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,23 +225,55 @@ def gspo(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor]:
     ratios, exp(mean_t(log pi - log pi_old)), clipped; the advantage is the sequence's (its mean
     over tokens). Returned per token (the sequence loss on each of its tokens) so the same
     aggregations apply; with ``seq_mean_token_mean`` it is exactly the paper's objective."""
-    m = inp.mask.to(inp.logp.dtype)
+    token_log_ratio, token_adv, keep = masked_inputs(inp)
+    m = keep.to(inp.logp.dtype)
     lengths = m.sum(-1).clamp(min=1)
-    seq_log_ratio = ((inp.logp - inp.old_logp) * m).sum(-1) / lengths
+    seq_log_ratio = token_log_ratio.sum(-1) / lengths
     # token-level form with the same value and the paper's gradient: sg[s_i] * pi / sg[pi]
-    log_ratio = inp.logp - inp.logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    logp = torch.where(keep, inp.logp, 0.0)
+    log_ratio = logp - logp.detach() + seq_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
-    adv = ((inp.advantages * m).sum(-1) / lengths).unsqueeze(-1)
+    adv = (token_adv.sum(-1) / lengths).unsqueeze(-1)
     surr1 = ratio * adv
     surr2 = ratio.clamp(1 - inp.clip_eps_low, 1 + inp.clip_eps_high) * adv
     loss = -torch.min(surr1, surr2)
-    return loss * m, (surr2 < surr1) & inp.mask.bool()
+    return torch.where(keep, loss, 0.0), (surr2 < surr1) & keep
 
 
 POLICY_LOSSES: dict[str, Callable[[PolicyLossInput], tuple[torch.Tensor, torch.Tensor]]] = {
     "ppo": ppo_clip,
     "gspo": gspo,
 }
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None) -> torch.Tensor:
+    """The critic's per-token loss, OpenRLHF's ValueLoss: ``max((clip(V) - R)^2, (V - R)^2) / 2`` with
+    ``clip(V) = V_old + clamp(V - V_old, -clip, clip)``; ``(V - R)^2 / 2`` without a clip. [B, T]; zero
+    where masked (aggregate it like the policy loss)."""
+    keep = mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(keep, values, zero)
+    old, ret = torch.where(keep, old_values, zero), torch.where(keep, returns, zero)
+    loss = (v - ret) ** 2
+    if clip is not None:
+        clipped = old + (v - old).clamp(-clip, clip)
+        loss = torch.max((clipped - ret) ** 2, loss)
+    return torch.where(keep, 0.5 * loss, zero)
+
+
+def policy_objective(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float, *,
+                     kl: torch.Tensor | None = None, kl_coef: float = 0.0, entropy: torch.Tensor | None = None,
+                     entropy_coef: float | None = None) -> torch.Tensor:
+    """A micro-batch's share of the policy's loss: the aggregated policy loss, plus ``kl_coef`` times the
+    aggregated KL when KL is a loss term (``kl`` given), minus ``entropy_coef`` times the aggregated entropy
+    (OpenRLHF's ``entropy_loss_coef``: None or 0 leaves the loss alone; the entropy is logged either way)."""
+    loss = aggregate(per_token, mask, mode, normaliser)
+    if kl is not None and kl_coef:
+        loss = loss + kl_coef * aggregate(kl, mask, mode, normaliser)
+    if entropy is not None and entropy_coef:
+        loss = loss - entropy_coef * aggregate(entropy, mask, mode, normaliser)
+    return loss
+
 
 # ---------------------------------------------------------------------------------------------
 # aggregation: sums over a micro-batch divided by a normaliser computed over the whole global batch,
@@ -216,10 +290,11 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: flo
     ``normaliser`` is the global count from :func:`aggregation_normaliser`.
     """
     m = mask.to(loss.dtype)
+    loss = torch.where(mask.bool(), loss, 0.0)  # whatever sits at a masked position stays out
     if mode in ("token_mean", "seq_mean_token_sum_norm"):
-        return (loss * m).sum() / normaliser
+        return loss.sum() / normaliser
     if mode == "seq_mean_token_mean":
-        return ((loss * m).sum(-1) / m.sum(-1).clamp(min=1)).sum() / normaliser
+        return (loss.sum(-1) / m.sum(-1).clamp(min=1)).sum() / normaliser
     raise ValueError(f"loss aggregation '{mode}' is unknown; valid: {', '.join(AGGREGATIONS)}")
 
 

@@ -17,8 +17,12 @@ class RolloutConfig(BaseModel):
     rollout_batch_size: int = 16  # prompts per RL step
     n_samples_per_prompt: int = 4
     max_new_tokens: int = 16
-    # 1.0 only for now: the learners' log-probs are of the untempered policy (see RLConfig._check)
+    # sampling temperature: the learners and the reference divide their logits by it, so the policy trained on
+    # is the one sampled from (as OpenRLHF); vLLM reports the tempered log-probs for rollout_logprob_diff
     temperature: float = 1.0
+    # nucleus sampling: 1.0 only. Training on top-p samples would need the truncated distribution's
+    # log-probs on the learners too (not implemented), so other values are refused by name
+    top_p: float = 1.0
     num_engines: int = 1  # vLLM engines (each a Ray actor)
     tensor_parallel_size: int = 1  # GPU only; the CPU build runs TP 1
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -33,8 +37,13 @@ class AlgoConfig(BaseModel):
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     dual_clip: float | None = None
+    # OpenRLHF's entropy_loss_coef: None or 0: the entropy is logged only; > 0: coef * entropy is subtracted
+    # from the loss (aggregated like the policy loss)
+    entropy_coef: float | None = None
     loss_agg: str = "token_mean"
     ppo_epochs: int = 1
+    # discount of the per-token returns. OpenRLHF forces 1.0 for the group-baseline estimators (rloo,
+    # reinforce_baseline, group_norm, dr_grpo); here the value given is used as it is
     gamma: float = 1.0
     init_kl_coef: float = 0.0  # 0: no reference model at all
     kl_estimator: str = "k1"
@@ -59,6 +68,8 @@ class AlgoConfig(BaseModel):
             raise ValueError(f"loss_agg: '{self.loss_agg}' is unknown; valid: {', '.join(AGGREGATIONS)}")
         if self.ppo_epochs < 1:
             raise ValueError(f"ppo_epochs: {self.ppo_epochs} must be at least 1")
+        if self.entropy_coef is not None and self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef: {self.entropy_coef} must be >= 0 (or null: entropy logged only)")
         return self
 
 
@@ -114,11 +125,13 @@ class RLConfig(BaseModel):
                 f"train.train_batch_size: {self.train.train_batch_size} does not divide the {samples} samples of a "
                 f"step (rollout_batch_size {self.rollout.rollout_batch_size} x n_samples_per_prompt {self.rollout.n_samples_per_prompt})"
             )
-        if self.rollout.temperature != 1.0:
+        if not self.rollout.temperature > 0:
+            raise ValueError(f"rollout.temperature: got {self.rollout.temperature}, expected > 0 (0 is greedy decoding: "
+                             "no exploration, and no sampling distribution to train on)")
+        if self.rollout.top_p != 1.0:
             raise ValueError(
-                f"rollout.temperature: got {self.rollout.temperature}, expected 1.0: the learners compute log-probs of "
-                "the untempered policy, so responses sampled at another temperature would be trained on as if drawn "
-                "from a distribution they were not drawn from (tempered training log-probs are not implemented yet)"
+                f"rollout.top_p: got {self.rollout.top_p}, expected 1.0: the learners compute log-probs of the whole "
+                "(tempered) distribution, so top-p samples would be trained on as if drawn from one they were not drawn from"
             )
         sources = [k for k in ("func", "url", "model") if getattr(self.reward, k)]
         if len(sources) > 1:

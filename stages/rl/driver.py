@@ -446,7 +446,7 @@ class RLLoop:
             mask = batch["response_mask"].float()
             kl = None
             if "ref_logp" in lps and "logp" in lps:
-                kl = KL_ESTIMATORS[algo.kl_estimator](lps["logp"], lps["ref_logp"]) * mask
+                kl = torch.where(mask.bool(), KL_ESTIMATORS[algo.kl_estimator](lps["logp"], lps["ref_logp"]), 0.0)
             scores = rewards["rewards"].double()
             lengths = mask.sum(-1)
             if algo.overlong_buffer:

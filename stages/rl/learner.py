@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from stages.common.logprobs import token_logps
-from stages.rl.algorithms import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossInput, aggregate
+from stages.rl.algorithms import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossInput, policy_objective
 from stages.rl.config import RLConfig
 
 
@@ -56,17 +56,28 @@ class Learner:
             self.ref, self._ref_keep = build_reference_engine(policy_path, self.cfg.train)
         return True
 
-    def _forward_logps(self, module, batch: dict[str, torch.Tensor], with_entropy: bool = False):
+    def _forward_logps(self, module, batch: dict[str, torch.Tensor], with_entropy: bool = False, temperature: float | None = None):
+        """Token log-probs (and the entropy) of the policy sampled from: logits divided by the rollout
+        temperature (``temperature=1.0``: the raw model, as vLLM's prompt log-probs on the probe)."""
         from stages.common.trainer import device
 
         out = module(
             input_ids=batch["input_ids"].to(device()), attention_mask=batch["attention_mask"].to(device()), use_cache=False
         )
-        logp = token_logps(out.logits, batch["input_ids"].to(device()))
-        return (logp, _entropy(out.logits)) if with_entropy else logp
+        t = self.cfg.rollout.temperature if temperature is None else temperature
+        logits = out.logits if t == 1.0 else out.logits / t
+        logp = token_logps(logits, batch["input_ids"].to(device()))
+        if not with_entropy:
+            return logp
+        if self.cfg.algo.entropy_coef:  # in the loss: with its gradient
+            return logp, _entropy(logits)
+        with torch.no_grad():  # logged only
+            return logp, _entropy(logits.detach())
 
-    def logprobs(self, batch: dict[str, torch.Tensor], policy: bool = True, reference: bool = True) -> dict[str, torch.Tensor]:
-        """Policy and/or reference log-probs of this rank's shard, micro-batch by micro-batch."""
+    def logprobs(self, batch: dict[str, torch.Tensor], policy: bool = True, reference: bool = True,
+                 temperature: float | None = None) -> dict[str, torch.Tensor]:
+        """Policy and/or reference log-probs of this rank's shard, micro-batch by micro-batch (at the rollout
+        temperature unless one is given)."""
         micro = self.cfg.train.micro_train_batch_size
         out: dict[str, list[torch.Tensor]] = {"logp": [], "ref_logp": []}
         self.eng.engine.eval()
@@ -74,9 +85,9 @@ class Learner:
             for i in range(0, batch["input_ids"].shape[0], micro):
                 part = {k: v[i : i + micro] for k, v in batch.items()}
                 if policy:
-                    out["logp"].append(self._forward_logps(self.eng.engine, part).float().cpu())
+                    out["logp"].append(self._forward_logps(self.eng.engine, part, temperature=temperature).float().cpu())
                 if reference and self.ref is not None:
-                    out["ref_logp"].append(self._forward_logps(self.ref, part).float().cpu())
+                    out["ref_logp"].append(self._forward_logps(self.ref, part, temperature=temperature).float().cpu())
         self.eng.engine.train()
         return {k: torch.cat(v) for k, v in out.items() if v}
 
@@ -105,15 +116,16 @@ class Learner:
                     algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip,
                 )
                 per_token, clipped = policy_loss(inp)
-                loss = aggregate(per_token, mask, algo.loss_agg, norm)
-                kl = kl_of(logp, part["ref_logp"]) * mask if "ref_logp" in part else torch.zeros_like(logp)
-                if not algo.kl_in_reward and algo.init_kl_coef > 0:
-                    loss = loss + kl_coef * aggregate(kl, mask, algo.loss_agg, norm)
+                keep = mask.bool()
+                kl = torch.where(keep, kl_of(logp, part["ref_logp"]), 0.0) if "ref_logp" in part else torch.zeros_like(logp)
+                kl_loss = not algo.kl_in_reward and algo.init_kl_coef > 0
+                loss = policy_objective(per_token, mask, algo.loss_agg, norm, kl=kl if kl_loss else None, kl_coef=kl_coef,
+                                        entropy=entropy, entropy_coef=algo.entropy_coef)
                 engine.backward(loss * scale)
                 engine.step()
-                sums["policy_loss"] += float((per_token.detach() * mask).sum())
+                sums["policy_loss"] += float(torch.where(keep, per_token.detach(), 0.0).sum())
                 sums["clip_ratio"] += float(clipped.float().sum())
-                sums["entropy"] += float((entropy * mask).sum())
+                sums["entropy"] += float(torch.where(keep, entropy.detach(), 0.0).sum())
                 sums["kl"] += float(kl.detach().sum())
                 sums["tokens"] += float(mask.sum())
             gn = engine.get_global_grad_norm()
@@ -137,7 +149,8 @@ class Learner:
         return save(state)
 
     def probe_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        out = self.logprobs(batch)["logp"]
+        """The raw model's log-probs (temperature 1, as vLLM's prompt log-probs) on the sync probe."""
+        out = self.logprobs(batch, reference=False, temperature=1.0)["logp"]
         return out if self.rank == 0 else None
 
     def save_state(self, path: str, step: int) -> bool:

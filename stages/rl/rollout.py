@@ -29,7 +29,9 @@ class RolloutEngine:
     """One vLLM engine (run as a Ray actor by the RL driver, or in-process in tests)."""
 
     def __init__(self, model_path: str, seed: int = 0, dtype: str = "bfloat16", max_model_len: int = 512):
-        self.llm = make_llm(model_path, seed=seed, dtype=dtype, max_model_len=max_model_len, worker_extension_cls=EXTENSION)
+        # sampled tokens' log-probs after temperature: the distribution the learners train on
+        self.llm = make_llm(model_path, seed=seed, dtype=dtype, max_model_len=max_model_len, worker_extension_cls=EXTENSION,
+                            logprobs_mode="processed_logprobs")
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int,
                  logprobs: bool = False) -> list[list[Completion]]:

@@ -67,11 +67,13 @@ def _metrics(ref) -> list[dict]:
 
 
 def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files, sft_policy, tmp_path):
+    """Sampled at temperature 0.7: the learners and the reference train on the tempered policy, the probe
+    checks the raw weights."""
     from transformers import AutoModelForCausalLM
 
     # the toy reward, not answer checking: with the micro model a whole step's samples can all be wrong,
     # and then nothing moves (all advantages 0) and the KL stays 0
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path),
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), rollout__temperature=0.7, algo__entropy_coef=0.01,
                   algo__init_kl_coef=0.05, algo__kl_estimator="k3", eval_data={"paths": [str(task_files["eval"])],
                   "prompt_key": "prompt", "label_key": "answer"})
     ref = run_rl(cfg, sft_policy)
@@ -83,7 +85,7 @@ def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files
     # every push verified: vLLM (fp32) and the learners agree on the probe after each update
     assert all(s["sync_logprob_diff"] <= 1e-3 and s["sync_max_logprob_diff"] <= 1e-2 for s in steps)
     # two updates per rollout: the learners compute old log-probs, and vLLM's sampling log-probs of every
-    # response token agree with them (same weights, fp32 on both sides)
+    # response token agree with them (same weights, fp32 on both sides, both at temperature 0.7)
     assert all(s["rollout_logprob_diff"] <= 1e-3 for s in steps), [s["rollout_logprob_diff"] for s in steps]
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert steps[-1]["kl"] > 0  # and has moved since

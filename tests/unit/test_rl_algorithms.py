@@ -14,8 +14,11 @@ from stages.rl.algorithms import (
     aggregate,
     aggregation_normaliser,
     cumulative_returns,
+    gae_advantages,
     lookup,
+    policy_objective,
     token_rewards,
+    value_loss,
 )
 
 # 2 prompts x 2 samples; response lengths 3, 2, 1, 3
@@ -147,3 +150,89 @@ def test_bad_keys_list_the_valid_ones():
         lookup(ADVANTAGE_ESTIMATORS, "gae", "advantage estimator")
     with pytest.raises(ValueError, match="group"):
         ADVANTAGE_ESTIMATORS["rloo"](AdvantageInput(torch.ones(3), torch.ones(3, 2), 2))
+
+
+def test_gae_by_hand_on_variable_length_masked_responses():
+    # two responses: lengths 3 and 2 (the third position of the second is padding, holding junk)
+    values = torch.tensor([[0.5, 0.2, 0.1], [1.0, 0.4, 99.0]], dtype=torch.float64)
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 99.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
+    g, lam = 0.9, 0.8
+    adv, ret = gae_advantages(values, rewards, mask, g, lam)
+    # row 0: d2 = 1 - 0.1 = 0.9; d1 = 0 + 0.9*0.1 - 0.2 = -0.11; d0 = 0 + 0.9*0.2 - 0.5 = -0.32
+    a2 = 0.9
+    a1 = -0.11 + g * lam * a2
+    a0 = -0.32 + g * lam * a1
+    # row 1: the value past the end counts as 0: d1 = 2 - 0.4 = 1.6; d0 = 0 + 0.9*0.4 - 1 = -0.64
+    b1 = 1.6
+    b0 = -0.64 + g * lam * b1
+    assert torch.allclose(adv, torch.tensor([[a0, a1, a2], [b0, b1, 0.0]], dtype=torch.float64))
+    assert torch.allclose(ret, torch.tensor([[a0 + 0.5, a1 + 0.2, a2 + 0.1], [b0 + 1.0, b1 + 0.4, 0.0]], dtype=torch.float64))
+    # lambda 1, gamma 1: the advantage is the return-to-go minus the value
+    adv1, ret1 = gae_advantages(values, rewards, mask, 1.0, 1.0)
+    assert torch.allclose(ret1, cumulative_returns(rewards * mask, mask))
+    assert torch.allclose(adv1, ret1 - values * mask)
+
+
+def test_clipped_value_loss_by_hand():
+    v, old, ret = (torch.tensor([[x]], dtype=torch.float64) for x in (1.0, 0.5, 0.0))
+    one = torch.ones(1, 1)
+    # unclipped: (1 - 0)^2 / 2 = 0.5; clip 0.2: V_clip = 0.5 + 0.2 = 0.7, max(0.49, 1.0) / 2 = 0.5
+    assert value_loss(v, old, ret, one, None).item() == pytest.approx(0.5)
+    assert value_loss(v, old, ret, one, 0.2).item() == pytest.approx(0.5)
+    # the clipped value is farther from the return: V = 0.1 from V_old = 1.0, R = 0.6 -> V_clip = 0.8
+    v, old, ret = (torch.tensor([[x]], dtype=torch.float64) for x in (0.1, 1.0, 0.6))
+    assert value_loss(v, old, ret, one, 0.2).item() == pytest.approx(max(0.2**2, 0.5**2) / 2)
+    assert value_loss(v, old, ret, one, None).item() == pytest.approx(0.5**2 / 2)
+    assert value_loss(v, old, ret, torch.zeros(1, 1), 0.2).item() == 0.0
+
+
+def test_every_kl_estimator_is_clamped_to_ten():
+    logp, ref = torch.tensor([0.0, -50.0]), torch.tensor([-50.0, 0.0])
+    for name in ("k1", "k2", "k3"):
+        kl = KL_ESTIMATORS[name](logp, ref)
+        assert torch.isfinite(kl).all() and kl.abs().max().item() == 10.0, name
+    assert KL_ESTIMATORS["k1"](logp, ref).tolist() == [10.0, -10.0]
+
+
+def test_ppo_log_ratio_is_clamped_to_twenty_before_exp():
+    logp = torch.tensor([[100.0]], dtype=torch.float64, requires_grad=True)
+    inp = PolicyLossInput(logp, torch.zeros(1, 1, dtype=torch.float64), -torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    loss, _ = POLICY_LOSSES["ppo"](inp)
+    assert loss.item() == pytest.approx(math.exp(20.0))  # -min(-e^20, -1.2) with the ratio e^20, not e^100 (inf in fp32)
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo"])
+def test_a_masked_position_puts_no_nan_or_inf_into_the_loss_or_the_gradient(name):
+    logp = torch.tensor([[-1.0, 1e4, float("nan")], [-0.5, -0.7, float("inf")]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1e4, 0.0], [-0.4, float("-inf"), float("nan")]])
+    advantages = torch.tensor([[1.0, 5.0, float("nan")], [-1.0, 2.0, float("inf")]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0]], dtype=torch.float32)
+    old[1, 1] = -0.6  # an in-mask position stays finite; the junk is at masked ones only
+    loss, clipped = POLICY_LOSSES[name](PolicyLossInput(logp, old, advantages, mask))
+    total = aggregate(loss, mask, "token_mean", mask.sum().item())
+    total.backward()
+    assert torch.isfinite(total) and torch.isfinite(logp.grad).all()
+    assert (logp.grad[mask == 0] == 0).all() and (logp.grad[mask == 1] != 0).any()
+    assert not clipped[mask == 0].any()
+    v = torch.tensor([[0.3, float("nan"), float("inf")]], requires_grad=True)
+    vl = value_loss(v, torch.zeros(1, 3), torch.tensor([[1.0, float("nan"), 0.0]]), torch.tensor([[1.0, 0.0, 0.0]]), 0.2)
+    vl.sum().backward()
+    assert torch.isfinite(vl).all() and torch.isfinite(v.grad).all() and v.grad[0, 1:].tolist() == [0.0, 0.0]
+
+
+def test_entropy_coefficient_semantics():
+    per_token = torch.tensor([[0.5, -0.25, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    entropy = torch.tensor([[2.0, 1.0, float("nan")]])
+    kl = torch.tensor([[0.1, 0.3, float("inf")]])
+    base = (0.5 - 0.25) / 2  # token mean over the two response tokens
+    assert policy_objective(per_token, mask, "token_mean", 2.0).item() == pytest.approx(base)
+    # unset and 0: the entropy does not enter the loss
+    for coef in (None, 0.0):
+        assert policy_objective(per_token, mask, "token_mean", 2.0, entropy=entropy, entropy_coef=coef).item() == pytest.approx(base)
+    # > 0: subtracted, aggregated like the policy loss: 0.01 * (2 + 1) / 2
+    assert policy_objective(per_token, mask, "token_mean", 2.0, entropy=entropy, entropy_coef=0.01).item() == pytest.approx(base - 0.015)
+    # KL as a loss term: + coef * mean KL; junk at the masked position stays out of every term
+    got = policy_objective(per_token, mask, "token_mean", 2.0, kl=kl, kl_coef=0.5, entropy=entropy, entropy_coef=0.01)
+    assert got.item() == pytest.approx(base + 0.5 * 0.2 - 0.015)

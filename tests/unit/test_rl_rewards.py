@@ -102,10 +102,16 @@ def test_http_reward_gives_up_naming_the_url(server):
         HttpReward(dead, timeout_s=1, retries=1)(["a"], [""], [0])
 
 
-def test_a_sampling_temperature_other_than_one_is_refused_by_name():
+def test_sampling_settings_that_cannot_be_trained_on_are_refused_by_name():
     from stages.common.recipe import load_config
     from stages.rl.config import RLConfig
 
-    assert load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml")]).rollout.temperature == 1.0
-    with pytest.raises(Exception, match=r"(?s)recipes/rl/tiny.yaml.*rollout.temperature: got 0.7, expected 1.0"):
-        load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml"), "rollout.temperature=0.7"])
+    recipe = str(ROOT / "recipes/rl/tiny.yaml")
+    assert load_config(RLConfig, [recipe]).rollout.temperature == 1.0
+    assert load_config(RLConfig, [recipe, "rollout.temperature=0.7"]).rollout.temperature == 0.7  # tempered training
+    with pytest.raises(Exception, match=r"(?s)recipes/rl/tiny.yaml.*rollout.temperature: got 0.0, expected > 0"):
+        load_config(RLConfig, [recipe, "rollout.temperature=0.0"])
+    with pytest.raises(Exception, match=r"(?s)recipes/rl/tiny.yaml.*rollout.top_p: got 0.9, expected 1.0"):
+        load_config(RLConfig, [recipe, "rollout.top_p=0.9"])
+    with pytest.raises(Exception, match=r"(?s)algo: .*entropy_coef: -0.1 must be >= 0"):
+        load_config(RLConfig, [recipe, "algo.entropy_coef=-0.1"])
