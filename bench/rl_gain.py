@@ -4,7 +4,7 @@ Starts from an SFT checkpoint (``sft=PATH``, else the default SFT recipe is run 
 recipe with each estimator, and reports greedy held-out accuracy before and after, the RL wall time
 and the seed. Prints a table and writes bench/results/rl_gain.json.
 
-Run: ``python -m bench.rl_gain [sft=PATH] [steps=60] [estimators=reinforce_baseline,group_norm] [key=value ...]``
+Run: ``python -m bench.rl_gain [sft=PATH] [steps=60] [estimators=reinforce_baseline,group_norm,gae] [key=value ...]``
 (remaining ``key=value`` arguments override recipes/rl/tiny.yaml)
 """
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(SFTConfig, [str(ROOT / "recipes/sft/tiny.yaml"), f"output_root={root}"])
         sft = run_sft(cfg, resolve_model(cfg.base, root))
     rows = []
-    for est in opts.get("estimators", "reinforce_baseline,group_norm").split(","):
+    for est in opts.get("estimators", "reinforce_baseline,group_norm,gae").split(","):
         cfg = load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml"), f"output_root={root}", f"max_steps={opts.get('steps', 60)}",
                                      f"algo.advantage_estimator={est}", "train.progress_bar=false", *overrides])
         t = time.time()

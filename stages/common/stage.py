@@ -65,6 +65,12 @@ class Input:
     field: str | None = None  # the config field holding its model spec(s) for CLI runs (and unwired pipeline inputs)
     required: bool = False  # a pipeline must wire it to earlier stage(s)
     many: bool = False  # a list of stages; the stage gets {stage name: ref}
+    # whether this config uses the input at all (e.g. the RL critic's start, only for estimators with a critic);
+    # an unused input is handed to the stage as None and is not part of the run's identity
+    needed: Callable[[BaseModel], bool] | None = None
+
+    def used_by(self, config: BaseModel) -> bool:
+        return self.needed is None or bool(self.needed(config))
 
 
 def trained_output(full: str, adapter: str) -> Callable[[BaseModel, Mapping[str, Any]], str]:
@@ -106,7 +112,7 @@ class StageSpec:
     def identify(self, config: BaseModel, inputs: Mapping[str, InputValue], given: StageRun | None = None) -> StageRun:
         """The run's identity: ``given`` (a flow passes the one it computed) after checking it is this
         config's and these inputs', else computed here."""
-        parts = {"config": self._canonical_config(config), "inputs": _input_digests(self, inputs)}
+        parts = {"config": self._canonical_config(config), "inputs": _input_digests(self, config, inputs)}
         if given is not None:
             if given.stage != self.name or any(given.parts[k] != v for k, v in parts.items()):
                 raise ValueError(f"{self.name}: the run identity {given.key} was computed for another config or other inputs")
@@ -144,6 +150,9 @@ class StageSpec:
 
         out = dict(given)
         for inp in self.inputs:
+            if not inp.used_by(config):
+                out[inp.name] = None
+                continue
             if out.get(inp.name) or not inp.field:
                 out.setdefault(inp.name, None)
                 continue
@@ -216,14 +225,15 @@ def get_dotted(config: BaseModel | Mapping[str, Any] | None, dotted: str) -> Any
     return node
 
 
-def _input_digests(spec: StageSpec, inputs: Mapping[str, InputValue]) -> dict[str, Any]:
+def _input_digests(spec: StageSpec, config: BaseModel, inputs: Mapping[str, InputValue]) -> dict[str, Any]:
     known = {i.name for i in spec.inputs}
+    unused = {i.name for i in spec.inputs if not i.used_by(config)}
     unknown = set(inputs) - known
     if unknown:
         raise ValueError(f"{spec.name}: no inputs named {sorted(unknown)}; its inputs: {sorted(known)}")
     out: dict[str, Any] = {}
     for name in sorted(known):
-        v = inputs.get(name)
+        v = None if name in unused else inputs.get(name)
         # a labelled list keeps its order and labels (eval's report rows)
         out[name] = None if v is None else v.digest if isinstance(v, CheckpointRef) else [[k, r.digest] for k, r in v.items()]
     return out

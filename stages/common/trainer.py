@@ -116,8 +116,8 @@ def build_engine(model_path: str, train: TrainConfig, lora: LoraConfig, total_st
 class MetricsWriter:
     """Rank 0 only: one JSON line per step, the same scalars to TensorBoard."""
 
-    def __init__(self, run_dir: Path, start_step: int, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, start_step: int, enabled: bool, prefix: str = "train"):
+        self.enabled, self.prefix = enabled, prefix
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -135,7 +135,7 @@ class MetricsWriter:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         for k, v in metrics.items():
-            self.tb.add_scalar(f"train/{k}", v, step)
+            self.tb.add_scalar(f"{self.prefix}/{k}", v, step)
 
     def close(self) -> None:
         if self.enabled:

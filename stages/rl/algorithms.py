@@ -72,6 +72,8 @@ class AdvantageInput:
     # clip the (baselined) sequence reward to [-c, c]. OpenRLHF clips the raw reward before its baseline;
     # here the clip applies to what the estimator hands on (for gae and reinforce: the raw reward too)
     reward_clip: float | None = None
+    values: torch.Tensor | None = None  # [B, T] the critic's values at rollout time (estimators in NEEDS_CRITIC)
+    lambd: float = 1.0  # GAE's lambda
 
 
 def _grouped(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -125,8 +127,7 @@ def dr_grpo(inp: AdvantageInput):
 def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lambd: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016), as OpenRLHF's
-    ``get_advantages_and_returns`` (the ``gae`` estimator's core; the critic that supplies the values is
-    the next step, see the README's RL section): delta_t = r_t + gamma V_{t+1} - V_t (V = 0 past a response's end),
+    ``get_advantages_and_returns`` (the core of the ``gae`` estimator): delta_t = r_t + gamma V_{t+1} - V_t (V = 0 past a response's end),
     A_t = delta_t + gamma lambda A_{t+1}; returns = A + V (before any whitening). [B, T] each."""
     m = mask.to(values.dtype)
     values, rewards = values * m, rewards * m
@@ -140,13 +141,26 @@ def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tens
     return adv * m, (adv + values) * m
 
 
+def gae(inp: AdvantageInput):
+    """PPO's estimator (OpenRLHF's default): GAE over the per-token rewards (the score on the last token,
+    -kl_coef * KL on every token when KL is in the reward) with the critic's values; returns = A + V before
+    whitening, then the advantages are whitened over the batch (as OpenRLHF)."""
+    if inp.values is None:
+        raise ValueError("gae needs the critic's values (AdvantageInput.values)")
+    scores = inp.scores if inp.reward_clip is None else inp.scores.clamp(-inp.reward_clip, inp.reward_clip)
+    adv, returns = gae_advantages(inp.values, token_rewards(scores, inp.kl, inp.kl_coef, inp.mask), inp.mask, inp.gamma, inp.lambd)
+    return whiten(adv, inp.mask), returns
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInput], tuple[torch.Tensor, torch.Tensor]]] = {
+    "gae": gae,
     "reinforce": reinforce,
     "reinforce_baseline": reinforce_baseline,
     "rloo": rloo,
     "group_norm": group_norm,
     "dr_grpo": dr_grpo,
 }
+NEEDS_CRITIC = frozenset({"gae"})  # estimators that read AdvantageInput.values
 
 # ---------------------------------------------------------------------------------------------
 # KL estimators (Schulman, "Approximating KL divergence", 2020), for KL(pi || ref) on pi's samples

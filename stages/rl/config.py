@@ -8,7 +8,13 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from datasets_prep.loading import DataConfig
 from stages.common.config import LoraConfig, TrainConfig
-from stages.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from stages.rl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    NEEDS_CRITIC,
+    POLICY_LOSSES,
+)
 
 
 class RolloutConfig(BaseModel):
@@ -45,6 +51,7 @@ class AlgoConfig(BaseModel):
     # discount of the per-token returns. OpenRLHF forces 1.0 for the group-baseline estimators (rloo,
     # reinforce_baseline, group_norm, dr_grpo); here the value given is used as it is
     gamma: float = 1.0
+    lambd: float = 1.0  # GAE's lambda (estimator gae)
     init_kl_coef: float = 0.0  # 0: no reference model at all
     kl_estimator: str = "k1"
     kl_in_reward: bool = True  # True: -coef*KL per token in the reward; False: coef*KL as a loss term
@@ -85,6 +92,31 @@ class RewardSourceConfig(BaseModel):
     retries: int = 3
 
 
+class CriticConfig(BaseModel):
+    """PPO's critic (estimator ``gae``): a per-token value head (``score``) on a transformer, trained by its
+    own DeepSpeed learners (``train.world_size`` ranks, the policy's ZeRO stage, dtype and micro-batch)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # where the critic starts, from the CLI; flows pass a checkpoint (the pipeline's `critic` input). Unset:
+    # the reward model input when there is one (as OpenRLHF), else the starting policy
+    model: str | None = None
+    lr: float = 9e-6  # OpenRLHF's critic_learning_rate default
+    # clipped value loss max((clip(V) - R)^2, (V - R)^2) / 2 with V clipped to V_old +- value_clip; null: unclipped
+    value_clip: float | None = 0.5
+    freezing_steps: int = 0  # the first N steps train the critic only (the policy and the engines stay as they are)
+
+    @model_validator(mode="after")
+    def _check(self) -> CriticConfig:
+        if self.lr <= 0:
+            raise ValueError(f"lr: {self.lr} must be positive")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"value_clip: {self.value_clip} must be positive (or null: no clip)")
+        if self.freezing_steps < 0:
+            raise ValueError(f"freezing_steps: {self.freezing_steps} must be >= 0")
+        return self
+
+
 class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -109,6 +141,7 @@ class RLConfig(BaseModel):
     # train_batch_size (sequences per optimizer step; divides rollout_batch_size x n_samples)
     train: TrainConfig = TrainConfig(zero_stage=3, train_batch_size=64, micro_train_batch_size=16, lr=1e-5)
     lora: LoraConfig = LoraConfig()
+    critic: CriticConfig = CriticConfig()
     ray: RayConfig = RayConfig()
     max_steps: int = 10  # RL steps (rollout + update + sync)
     log_rollouts_every: int = 0  # write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never
@@ -136,6 +169,9 @@ class RLConfig(BaseModel):
         sources = [k for k in ("func", "url", "model") if getattr(self.reward, k)]
         if len(sources) > 1:
             raise ValueError(f"reward: give one of func, url, model (got {', '.join(sources)})")
+        if self.algo.advantage_estimator in NEEDS_CRITIC and self.critic.freezing_steps >= self.max_steps:
+            raise ValueError(f"critic.freezing_steps: {self.critic.freezing_steps} leaves no step of the {self.max_steps} "
+                             "(max_steps) to train the policy in")
         if self.algo.advantage_estimator in ("rloo", "group_norm", "dr_grpo", "reinforce_baseline") and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(f"rollout.n_samples_per_prompt: {self.algo.advantage_estimator} needs at least 2 samples per prompt")
         return self

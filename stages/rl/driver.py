@@ -32,9 +32,27 @@ from datasets_prep.packing import BatchSchedule
 from datasets_prep.sft import render_prompt
 from stages.common.launcher import PROJECT_ROOT
 from stages.common.progress import report_progress
-from stages.common.stage import POLICY, REWARD, Input, StageRun, StageSpec, print_result
-from stages.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdvantageInput, aggregation_normaliser
+from stages.common.stage import (
+    ADAPTER,
+    POLICY,
+    REWARD,
+    Input,
+    StageRun,
+    StageSpec,
+    print_result,
+    trained_output,
+)
 from stages.rl.config import RLConfig
+from stages.rl.experience import (
+    Experience,
+    Forward,
+    KLController,
+    Samples,
+    Scores,
+    StepPlan,
+    make_experience,
+    updates_of,
+)
 from stages.rl.rewards import FuncReward, HttpReward, RewardError
 
 STAGE = "rl"
@@ -105,26 +123,37 @@ def ray_cluster(cfg: RLConfig):
             signal.signal(signal.SIGTERM, previous)
 
 
-def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef | None = None, *,
-           run: StageRun | None = None) -> CheckpointRef:
-    """Train ``policy`` with RL against the configured reward source; returns the final checkpoint."""
+def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef | None = None,
+           critic: CheckpointRef | None = None, *, run: StageRun | None = None) -> CheckpointRef:
+    """Train ``policy`` with RL against the configured reward source; returns the final checkpoint.
+
+    ``critic`` (estimator ``gae`` only): the checkpoint the critic starts from; unset, the reward model
+    when there is one (as OpenRLHF), else the policy."""
     from transformers import AutoTokenizer
+
+    from checkpoints import load_ref
 
     verify(policy)
     require_kind(policy, ("full",), "the RL policy")
-    if config.lora.enabled:
-        raise ValueError("lora: RL with LoRA adapters is not supported yet; train the full model (lora.rank=0)")
     if reward_model is None and config.reward.model:
-        from checkpoints import load_ref
-
         reward_model = load_ref(config.reward.model)
-    run = SPEC.identify(config, {"policy": policy, "reward_model": reward_model}, run)
+    plan = StepPlan.of(config)
+    if not plan.values:
+        critic = None  # no critic: its input is not part of what this run computes
+    elif critic is None and config.critic.model:
+        critic = load_ref(config.critic.model)
+    run = SPEC.identify(config, {"policy": policy, "reward_model": reward_model, "critic": critic}, run)
     if reward_model is not None:
         verify(reward_model)
         require_kind(reward_model, ("reward",), "the RL reward model")
         reward_fn = None
     else:
         reward_fn = make_reward_source(config)  # fails fast on a bad reward file
+    critic_init = None
+    if plan.values:
+        critic_init = critic or reward_model or policy
+        verify(critic_init)
+        require_kind(critic_init, ("full", "reward"), "the critic's starting model")
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
     rows = load_rows(config.data, check_prompt_label_row(config.data))
     eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
@@ -134,18 +163,21 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     dest = run_dir / "checkpoint"
     with staging(dest) as tmp, ray_cluster(config):
         loop = RLLoop(config, policy.path, tokenizer, rows, eval_rows, reward_fn, run_dir,
-                      reward_model.path if reward_model else None)
+                      reward_model.path if reward_model else None, critic_init.path if critic_init else None)
         summary = loop.run()
-        loop.export(str(tmp))
-        return commit(tmp, dest, stage=STAGE, kind="full", config_hash=run.key, parent=policy, extra=summary)
+        loop.export(str(tmp))  # with LoRA: the adapter, on the policy it started from
+        lora = config.lora.enabled
+        return commit(tmp, dest, stage=STAGE, kind="adapter" if lora else "full", config_hash=run.key, parent=policy,
+                      base=policy if lora else None, extra=summary)
 
 
-def place(cfg: RLConfig):
+def place(cfg: RLConfig, critics: int = 0):
     """A placement group for the task's actors and the options that put each actor in its bundle.
 
-    CPU: one 1-CPU bundle per learner rank; engines and the reward model take no CPU reservation (they
-    run while the learners wait). GPU: one GPU per learner rank, and per engine ``tensor_parallel_size``
-    GPUs of their own, or with ``ray.colocate_all`` a share of the learners' GPUs.
+    CPU: one 1-CPU bundle per learner rank; engines, critic ranks and the reward model take no CPU
+    reservation (they run while the learners wait). GPU: one GPU per learner rank and per critic rank, and
+    per engine ``tensor_parallel_size`` GPUs of their own, or with ``ray.colocate_all`` shares of the
+    learners' GPUs.
     """
     import ray
     from ray.util.placement_group import placement_group
@@ -154,9 +186,9 @@ def place(cfg: RLConfig):
     n, engines = cfg.train.world_size, cfg.rollout.num_engines
     gpu = torch.cuda.is_available()
     bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(n)]
-    own_engine_bundles = gpu and not cfg.ray.colocate_all
-    if own_engine_bundles:
-        bundles += [{"GPU": cfg.rollout.tensor_parallel_size} for _ in range(engines)]
+    own_bundles = gpu and not cfg.ray.colocate_all
+    if own_bundles:
+        bundles += [{"GPU": cfg.rollout.tensor_parallel_size} for _ in range(engines)] + [{"GPU": 1} for _ in range(critics)]
     pg = placement_group(bundles, strategy="PACK")
     ray.get(pg.ready())
 
@@ -164,46 +196,69 @@ def place(cfg: RLConfig):
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)}
 
     def learner_opts(rank: int) -> dict:
-        return {"num_cpus": 1, "num_gpus": (0.5 if cfg.ray.colocate_all else 1) if gpu else 0, **at(rank)}
+        share = 0.5 if not critics else 0.25
+        return {"num_cpus": 1, "num_gpus": (share if cfg.ray.colocate_all else 1) if gpu else 0, **at(rank)}
 
     def engine_opts(i: int) -> dict:
-        if own_engine_bundles:
+        if own_bundles:
             return {"num_cpus": 0, "num_gpus": cfg.rollout.tensor_parallel_size, **at(n + i)}
         return {"num_cpus": 0, "num_gpus": (0.5 / max(1, engines // n)) if gpu else 0, **at(i % n)}
 
-    return pg, learner_opts, engine_opts
+    def critic_opts(rank: int) -> dict:
+        if own_bundles:
+            return {"num_cpus": 0, "num_gpus": 1, **at(n + engines + rank)}
+        return {"num_cpus": 0, "num_gpus": 0.25 if gpu else 0, **at(rank % n)}
+
+    return pg, learner_opts, engine_opts, critic_opts
+
+
+def _group(cls, n: int, opts, runtime_env: dict, config: dict, model_path: str, total_updates: int) -> list:
+    """``n`` ranks of ``cls`` (a Learner or Critic) as Ray actors forming one torch.distributed group."""
+    import ray
+
+    actors = [ray.remote(cls).options(runtime_env=runtime_env, **opts(r)).remote(r, n) for r in range(n)]
+    master = ray.get(actors[0].address.remote())
+    ray.get([a.setup.remote(config, model_path, total_updates, master) for a in actors])
+    return actors
 
 
 class RLLoop:
+    """The RL stage's loop over typed steps (``stages.rl.experience``): rollout -> score -> forward ->
+    make_experience -> update (critic, then policy) -> sync; what a step needs is ``self.plan``."""
+
     def __init__(self, cfg: RLConfig, policy_path: str, tokenizer, rows, eval_rows, reward_fn, run_dir: Path,
-                 reward_model_path: str | None = None):
+                 reward_model_path: str | None = None, critic_path: str | None = None):
         import ray
 
+        from stages.rl.critic import Critic
         from stages.rl.learner import Learner
         from stages.rl.rewards import RewardModelScorer
         from stages.rl.rollout import RolloutEngine
 
         self.cfg, self.tok, self.rows, self.eval_rows, self.reward_fn, self.run_dir = cfg, tokenizer, rows, eval_rows, reward_fn, run_dir
         self.policy_path = policy_path
+        self.plan = StepPlan.of(cfg)
         n = cfg.train.world_size
-        updates_per_step = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.train_batch_size
+        ro = cfg.rollout
+        updates_per_step = ro.rollout_batch_size * ro.n_samples_per_prompt // cfg.train.train_batch_size
         # Ray pins OMP_NUM_THREADS to an actor's CPU count (1 for num_cpus=0): give each its share of the
-        # machine instead; learners and engines take turns, so the engines may use every core
+        # machine instead; learners, critic and engines take turns, so the engines may use every core
         cores = os.cpu_count() or 1
         learner_env = {"env_vars": {**_env(), "OMP_NUM_THREADS": str(max(1, cores // n))}}
         engine_env = {"env_vars": {**_env(), "OMP_NUM_THREADS": str(cores)}}
-        self.pg, learner_opts, engine_opts = place(cfg)
-        self.learners = [
-            ray.remote(Learner).options(runtime_env=learner_env, **learner_opts(r)).remote(r, n) for r in range(n)
-        ]
-        master = ray.get(self.learners[0].address.remote())
-        total = cfg.max_steps * updates_per_step * cfg.algo.ppo_epochs
-        ray.get([lr.setup.remote(cfg.model_dump(mode="json"), policy_path, total, master) for lr in self.learners])
+        self.pg, learner_opts, engine_opts, critic_opts = place(cfg, n if self.plan.values else 0)
+        config = cfg.model_dump(mode="json")
+        policy_steps = (cfg.max_steps - (cfg.critic.freezing_steps if self.plan.values else 0)) * updates_per_step * cfg.algo.ppo_epochs
+        self.learners = _group(Learner, n, learner_opts, learner_env, config, policy_path, policy_steps)
+        self.critics = []
+        if self.plan.values:
+            self.critics = _group(Critic, n, critic_opts, learner_env, config, critic_path,
+                                  cfg.max_steps * updates_per_step * cfg.algo.ppo_epochs)
         self.engines = [
             ray.remote(RolloutEngine).options(runtime_env=engine_env, **engine_opts(i)).remote(
-                policy_path, seed=cfg.seed + i, dtype=cfg.rollout.dtype, max_model_len=cfg.rollout.max_model_len
+                policy_path, seed=cfg.seed + i, dtype=ro.dtype, max_model_len=ro.max_model_len
             )
-            for i in range(cfg.rollout.num_engines)
+            for i in range(ro.num_engines)
         ]
         ray.get([e.ready.remote() for e in self.engines])
         self.reward_actor = None
@@ -212,10 +267,11 @@ class RLLoop:
                 ray.remote(num_cpus=0)(RewardModelScorer).options(runtime_env=engine_env)
                 .remote(reward_model_path, cfg.algo.normalize_reward)
             )
-        self.kl_coef = cfg.algo.init_kl_coef
+        self.kl = KLController(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
         self.prompt_ids = [self._render(r) for r in rows]
+        self.schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
 
-    # -- pieces of a step, in the order the loop calls them -------------------------------------------
+    # -- the pieces of a step, in the order the loop calls them --------------------------------------
 
     def _render(self, row: dict) -> list[int]:
         text = render_prompt(self.tok, row[self.cfg.data.prompt_key], self.cfg.data)
@@ -236,6 +292,15 @@ class RLLoop:
                 result[i + j * len(self.engines)] = group
         return result
 
+    def rollout(self, step: int) -> tuple[Samples, list]:
+        """The step's prompts, ``n_samples_per_prompt`` samples each (with vLLM's log-probs when the plan
+        compares them with the learners' old ones)."""
+        ro = self.cfg.rollout
+        idx = self.schedule.global_batch(step)
+        groups = self.generate([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature,
+                               self.cfg.seed * 100_003 + step, logprobs=self.plan.rollout_logp)
+        return Samples.of(list(idx), groups, self.tok.pad_token_id, self.plan.rollout_logp), groups
+
     def rewards(self, rows: list[dict], groups) -> dict[str, Any]:
         """The reward source's answer for every sample of ``groups`` (one group per row, in order)."""
         if self.reward_actor is not None:
@@ -254,81 +319,66 @@ class RLLoop:
                 labels.append(row[self.cfg.data.label_key])
         return self.reward_fn(queries, prompts, labels)
 
-    def to_batch(self, groups) -> dict[str, torch.Tensor]:
-        seqs = [(c.prompt_ids, c.token_ids) for group in groups for c in group]
-        width = max(len(p) + len(r) for p, r in seqs)
-        b = len(seqs)
-        ids = torch.full((b, width), self.tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        resp = torch.zeros((b, width), dtype=torch.long)
-        for i, (p, r) in enumerate(seqs):
-            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            attn[i, : len(p) + len(r)] = 1
-            resp[i, len(p) : len(p) + len(r)] = 1
-        return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+    def score(self, samples: Samples, groups) -> Scores:
+        return Scores.of(self.rewards([self.rows[i] for i in samples.prompt_index], groups))
 
-    @staticmethod
-    def rollout_logprob_diff(groups, logp: torch.Tensor) -> float:
-        """Mean |vLLM's sampling log-prob - the learners' old log-prob| over every response token of the step:
-        the engines and the learners hold the same weights, so this stays at rounding level unless a sync
-        went wrong (a whole-batch check beside the probe's)."""
-        diffs = []
-        for i, c in enumerate(c for group in groups for c in group):
-            start = len(c.prompt_ids)
-            diffs.append((torch.tensor(c.logprobs) - logp[i, start : start + len(c.token_ids)]).abs())
-        return torch.cat(diffs).mean().item() if diffs else 0.0
-
-    def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        n = len(self.learners)
+    def _shards(self, batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
         size = batch["input_ids"].shape[0] // n
         return [{k: v[r * size : (r + 1) * size] for k, v in batch.items()} for r in range(n)]
 
-    @property
-    def on_policy(self) -> bool:
-        """One optimizer step per rollout: the policy that sampled is the one being updated."""
-        samples = self.cfg.rollout.rollout_batch_size * self.cfg.rollout.n_samples_per_prompt
-        kl_reward = self.cfg.algo.init_kl_coef > 0 and self.cfg.algo.kl_in_reward  # needs them before the update
-        return self.cfg.algo.ppo_epochs == 1 and samples == self.cfg.train.train_batch_size and not kl_reward
-
-    def logprobs(self, batch):
-        """Old-policy log-probs (skipped when on-policy: then they equal the current ones) and reference log-probs."""
+    def forward(self, samples: Samples) -> Forward:
+        """The no-grad passes the plan asks for: old and reference log-probs (learners), values (critic)."""
         import ray
 
-        outs = ray.get([lr.logprobs.remote(s, policy=not self.on_policy) for lr, s in zip(self.learners, self._shards(batch))])
-        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+        plan, batch = self.plan, samples.tensors()
+        logps = [lr.logprobs.remote(s, policy=plan.old_logp, reference=plan.ref_logp)
+                 for lr, s in zip(self.learners, self._shards(batch, len(self.learners)))] if plan.old_logp or plan.ref_logp else []
+        values = [c.values.remote(s) for c, s in zip(self.critics, self._shards(batch, len(self.critics)))] if plan.values else []
+        outs = ray.get(logps)
+        cat = {k: torch.cat([o[k] for o in outs]) for k in (outs[0] if outs else {})}
+        return Forward(cat.get("logp"), cat.get("ref_logp"), torch.cat(ray.get(values)) if values else None)
 
-    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Split the step's samples into optimizer steps, each into rank shares; one call per rank."""
+    @staticmethod
+    def rollout_logprob_diff(samples: Samples, old_logp: torch.Tensor) -> float:
+        """Mean |vLLM's sampling log-prob - the learners' old log-prob| over every response token of the step:
+        the engines and the learners hold the same weights, so this stays at rounding level unless a sync
+        went wrong (a whole-batch check beside the probe's)."""
+        keep = samples.response_mask.bool()
+        return (samples.rollout_logp[keep] - old_logp[keep]).abs().mean().item() if keep.any() else 0.0
+
+    def update(self, exp: Experience, step: int) -> dict[str, float]:
+        """``ppo_epochs`` passes of critic updates, then of policy updates (none while the critic warms up)."""
         import ray
 
-        tb, n = self.cfg.train.train_batch_size, len(self.learners)
-        total = batch["input_ids"].shape[0]
-        per_rank: list[list[dict]] = [[] for _ in range(n)]
-        for start in range(0, total, tb):
-            chunk = {k: v[start : start + tb] for k, v in batch.items()}
-            masks = [chunk["response_mask"]]
-            norm = aggregation_normaliser(masks, self.cfg.algo.loss_agg, self.cfg.rollout.max_new_tokens)
-            for r, shard in enumerate(self._shards(chunk)):
-                per_rank[r].append({"batch": shard, "norm": norm})
-        sums: dict[str, float] = {}
-        for _ in range(self.cfg.algo.ppo_epochs):
-            outs = ray.get([lr.train.remote(u, self.kl_coef) for lr, u in zip(self.learners, per_rank)])
-            for o in outs:
-                for k, v in o.items():
-                    sums[k] = sums.get(k, 0.0) + v
-        tokens = max(sums.pop("tokens"), 1.0)
-        epochs = self.cfg.algo.ppo_epochs
-        return {
-            "kl_sum": sums["kl"] / epochs,
-            "policy_loss": sums["policy_loss"] / tokens,
-            "clip_ratio": sums["clip_ratio"] / tokens,
-            "entropy": sums["entropy"] / tokens,
-            "grad_norm": sums["grad_norm"] / (n * epochs),
-            "lr": sums["lr"] / (n * epochs),
-        }
+        cfg = self.cfg
+        out: dict[str, float] = {}
+        tokens = max(float(exp.samples.response_mask.sum()), 1.0)
+        epochs = cfg.algo.ppo_epochs
+        if self.critics:
+            shares = updates_of(exp, cfg, len(self.critics))
+            sums = _sum_dicts(ray.get([c.train.remote(u) for c, u in zip(self.critics, shares)]) for _ in range(epochs))
+            out.update(critic_loss=sums["critic_loss"] / (tokens * epochs), value_mean=sums["values"] / (tokens * epochs),
+                       critic_clip_ratio=sums["critic_clip_ratio"] / (tokens * epochs),
+                       critic_grad_norm=sums["critic_grad_norm"] / (len(self.critics) * epochs),
+                       critic_lr=sums["critic_lr"] / (len(self.critics) * epochs))
+            out["return_mean"] = float(exp.returns[exp.samples.response_mask.bool()].mean())
+        if self.policy_frozen(step):
+            out["policy_frozen"] = 1.0
+            return out
+        shares = updates_of(exp, cfg, len(self.learners))
+        sums = _sum_dicts(ray.get([lr.train.remote(u, self.kl.value) for lr, u in zip(self.learners, shares)]) for _ in range(epochs))
+        n = len(self.learners)
+        out.update(kl_sum=sums["kl"] / epochs, policy_loss=sums["policy_loss"] / (tokens * epochs),
+                   clip_ratio=sums["clip_ratio"] / (tokens * epochs), entropy=sums["entropy"] / (tokens * epochs),
+                   grad_norm=sums["grad_norm"] / (n * epochs), lr=sums["lr"] / (n * epochs))
+        return out
 
-    def sync(self, probe: dict[str, torch.Tensor]) -> float:
-        """Push the learners' weights to every engine; return the probe's max |log-prob difference|."""
+    def policy_frozen(self, step: int) -> bool:
+        """The first ``critic.freezing_steps`` steps train the critic only (OpenRLHF's freezing_actor_steps)."""
+        return bool(self.critics) and step < self.cfg.critic.freezing_steps
+
+    def sync(self, probe: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """Push the learners' weights to every engine; return the probe's mean and max |log-prob difference|."""
         import ray
 
         data = ray.get([lr.weights_bytes.remote(self.cfg.rollout.dtype) for lr in self.learners])[0]
@@ -368,15 +418,17 @@ class RLLoop:
         return {"eval_accuracy" if self.reward_actor is None else "eval_reward": scores.mean().item()}
 
     def save_state(self, step: int, probe: dict[str, torch.Tensor]) -> None:
-        """Learner state (DeepSpeed checkpoint) plus the driver's own: the step, the KL coefficient, the probe."""
+        """Learner and critic state (DeepSpeed checkpoints) plus the driver's own: the step, the KL
+        coefficient, the probe. ``driver.json`` is written last: it is what makes the state resumable."""
         import ray
         from safetensors.torch import save_file
 
         state = self.run_dir / "state"
         ray.get([lr.save_state.remote(str(state), step) for lr in self.learners])
+        ray.get([c.save_state.remote(str(state / "critic"), step) for c in self.critics])
         save_file({k: v.contiguous() for k, v in probe.items()}, str(state / "probe.safetensors"))
         tmp = state / "driver.json.tmp"
-        tmp.write_text(json.dumps({"step": step, "kl_coef": self.kl_coef}))
+        tmp.write_text(json.dumps({"step": step, "kl_coef": self.kl.value}))
         tmp.replace(state / "driver.json")
 
     def resume(self) -> tuple[int, dict[str, torch.Tensor] | None]:
@@ -389,129 +441,94 @@ class RLLoop:
             return 0, None
         driver = json.loads((state / "driver.json").read_text())
         steps = ray.get([lr.load_state.remote(str(state)) for lr in self.learners])
-        if steps[0] != driver["step"]:
-            raise RuntimeError(f"{state}: learner state is at step {steps[0]}, driver state at {driver['step']}")
-        self.kl_coef = driver["kl_coef"]
+        steps += ray.get([c.load_state.remote(str(state / "critic")) for c in self.critics])
+        if any(s != driver["step"] for s in steps):
+            raise RuntimeError(f"{state}: learner/critic state is at steps {steps}, driver state at {driver['step']}")
+        self.kl.value = driver["kl_coef"]
         probe = load_file(str(state / "probe.safetensors"))
         self.sync(probe)
         return driver["step"], probe
 
-    def log_rollouts(self, step: int, idx: list[int], groups, rewards: dict[str, Any]) -> None:
+    def log_rollouts(self, step: int, samples: Samples, scored: Scores) -> None:
         """The step's samples as token ids and text, with their rewards: rollouts/step_N.jsonl."""
         folder = self.run_dir / "rollouts"
         folder.mkdir(exist_ok=True)
-        k = 0
+        per = self.cfg.rollout.n_samples_per_prompt
         with open(folder / f"step_{step}.jsonl", "w") as f:
-            for i, group in zip(idx, groups):
-                for c in group:
-                    f.write(json.dumps({"prompt_index": i, "prompt_ids": c.prompt_ids, "response_ids": c.token_ids,
-                                        "response": c.text, "reward": rewards["rewards"][k].item()}) + "\n")
-                    k += 1
+            for k, (p, r, text) in enumerate(zip(samples.prompt_ids, samples.response_ids, samples.texts, strict=True)):
+                f.write(json.dumps({"prompt_index": samples.prompt_index[k // per], "prompt_ids": p, "response_ids": r,
+                                    "response": text, "reward": scored.rewards[k].item()}) + "\n")
 
     # -- the loop ----------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
-        cfg, ro, algo = self.cfg, self.cfg.rollout, self.cfg.algo
-        schedule = BatchSchedule(len(self.rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
-        metrics_path = self.run_dir / "metrics.jsonl"
+        from stages.common.trainer import MetricsWriter
+
+        cfg, plan = self.cfg, self.plan
         start, probe = self.resume() if cfg.train.resume else (0, None)
-        kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start] if metrics_path.is_file() else []
-        metrics_path.write_text("".join(ln + "\n" for ln in kept))
-        tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start + 1)
+        writer = MetricsWriter(self.run_dir, start, enabled=True, prefix="rl")
         initial = self.evaluate()
         history = []
+        n_samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
         for step in tqdm(range(start, cfg.max_steps), desc="rl", disable=not cfg.train.progress_bar):
-            t = {}
-            t0 = time.perf_counter()
-            idx = schedule.global_batch(step)
-            # vLLM's sampling log-probs only when the learners compute old log-probs to compare them with
-            groups = self.generate([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature,
-                                   cfg.seed * 100_003 + step, logprobs=not self.on_policy)
+            t, t0 = {}, time.perf_counter()
+            samples, groups = self.rollout(step)
             t["generate_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            rewards = self.rewards([self.rows[i] for i in idx], groups)
+            scored = self.score(samples, groups)
             t["reward_s"] = time.perf_counter() - t1
-            batch = self.to_batch(groups)
             if cfg.log_rollouts_every and step % cfg.log_rollouts_every == 0:
-                self.log_rollouts(step + 1, idx, groups, rewards)
+                self.log_rollouts(step + 1, samples, scored)
             if probe is None:  # a fixed probe: the first samples of the first step
-                probe = {k: v[: len(self.learners) * 2] for k, v in batch.items()}
+                probe = {k: v[: len(self.learners) * 2] for k, v in samples.tensors().items()}
                 self.verify(probe) if cfg.verify_sync else None
             t1 = time.perf_counter()
-            lps = self.logprobs(batch)
+            forward = self.forward(samples)
             t["reference_s"] = time.perf_counter() - t1
-            mask = batch["response_mask"].float()
-            kl = None
-            if "ref_logp" in lps and "logp" in lps:
-                kl = torch.where(mask.bool(), KL_ESTIMATORS[algo.kl_estimator](lps["logp"], lps["ref_logp"]), 0.0)
-            scores = rewards["rewards"].double()
-            lengths = mask.sum(-1)
-            if algo.overlong_buffer:
-                from stages.rl.algorithms import overlong_penalty
-
-                scores = scores + overlong_penalty(lengths, ro.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty).double()
-            adv_in = AdvantageInput(
-                scores.float(), mask, ro.n_samples_per_prompt, kl=kl if algo.kl_in_reward else None,
-                kl_coef=self.kl_coef, gamma=algo.gamma, reward_clip=algo.reward_clip,
-            )
-            advantages, _ = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](adv_in)
-            train_batch = {**batch, "advantages": advantages.float()}
-            mismatch = {}
-            if "logp" in lps:
-                train_batch["old_logp"] = lps["logp"]
-                if groups[0][0].logprobs is not None:
-                    mismatch["rollout_logprob_diff"] = self.rollout_logprob_diff(groups, lps["logp"])
-            if "ref_logp" in lps:
-                train_batch["ref_logp"] = lps["ref_logp"]
+            exp = make_experience(plan, cfg, samples, scored, forward, self.kl.value)
             t1 = time.perf_counter()
-            train_metrics = self.train(train_batch)
+            m = self.update(exp, step)
             t["train_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
-            sync_mean, sync_max = self.sync(probe)
+            sync_mean, sync_max = self.sync(probe) if "policy_frozen" not in m else (0.0, 0.0)
             t["sync_s"] = time.perf_counter() - t1
-            if kl is not None:
-                mean_kl = float((kl.sum() / mask.sum()).item())
-            else:  # measured by the learners during the update (KL as a loss term, or no reference)
-                mean_kl = train_metrics.pop("kl_sum") / max(float(mask.sum()), 1.0)
-            train_metrics.pop("kl_sum", None)
-            if algo.kl_target is not None and kl is not None:  # adaptive KL (Ziegler et al. 2019)
-                err = max(min(mean_kl / algo.kl_target - 1, 0.2), -0.2)
-                self.kl_coef *= 1 + err * ro.rollout_batch_size * ro.n_samples_per_prompt / algo.kl_horizon
+            mask = samples.response_mask.float()
+            kl_sum = m.pop("kl_sum", 0.0)
+            # measured on the samples (KL in the reward, or old log-probs at hand), else by the learners' update
+            mean_kl = float(exp.kl.sum() / mask.sum()) if exp.kl is not None else kl_sum / max(float(mask.sum()), 1.0)
+            if exp.kl is not None:
+                self.kl.update(mean_kl, n_samples)
+            if plan.rollout_logp:
+                m["rollout_logprob_diff"] = self.rollout_logprob_diff(samples, forward.old_logp)
             t["total_s"] = time.perf_counter() - t0
+            lengths = mask.sum(-1)
             m = {
-                "step": step + 1,
-                "reward_mean": rewards["rewards"].mean().item(),
-                "reward_std": rewards["rewards"].std().item(),
-                "accuracy": rewards["scores"].mean().item(),
+                "reward_mean": scored.rewards.mean().item(),
+                "reward_std": scored.rewards.std().item(),
+                "accuracy": scored.scores.mean().item(),
                 "kl": mean_kl,
-                "kl_coef": self.kl_coef,
+                "kl_coef": self.kl.value,
                 "response_length": lengths.mean().item(),
                 "sync_logprob_diff": sync_mean,
                 "sync_max_logprob_diff": sync_max,
-                **mismatch,
-                **train_metrics,
-                **{k: v.mean().item() for k, v in rewards["extra_logs"].items()},
+                **m,
+                **{k: v.mean().item() for k, v in scored.extra_logs.items()},
                 **t,
                 "generated_tokens_per_s": float(lengths.sum().item()) / max(t["generate_s"], 1e-9),
             }
             if cfg.eval_steps and (step + 1) % cfg.eval_steps == 0 and step + 1 < cfg.max_steps:
                 m.update(self.evaluate())
-            history.append(m)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            for k, v in m.items():
-                if k != "step":
-                    tb.add_scalar(f"rl/{k}", v, step + 1)
+            history.append({"step": step + 1, **m})
+            writer.write(step + 1, m)
             report_progress(step + 1, cfg.max_steps)
             if cfg.train.save_steps and (step + 1) % cfg.train.save_steps == 0 and step + 1 < cfg.max_steps:
                 self.save_state(step + 1, probe)
             if os.environ.get("RLHF_FAULT_STEP") == str(step + 1):  # test hook: the task dies here
                 raise RuntimeError(f"injected fault after RL step {step + 1}")
         final = self.evaluate()
-        tb.close()
+        writer.close()
         return {"initial_eval": initial, "final_eval": final, "last_step": history[-1] if history else {}}
 
     def export(self, out_dir: str) -> None:
@@ -520,13 +537,25 @@ class RLLoop:
         ray.get([lr.export.remote(out_dir, self.policy_path) for lr in self.learners])
 
 
+def _sum_dicts(dicts) -> dict[str, float]:
+    """Key-wise sums over the per-rank answers of every pass (an iterable of lists of dicts)."""
+    out: dict[str, float] = {}
+    for answers in dicts:
+        for d in answers:
+            for k, v in d.items():
+                out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     print_result(SPEC, argv)
 
 
 SPEC = StageSpec(
     STAGE, RLConfig, run_rl,
-    (Input("policy", (POLICY,), field="base"), Input("reward_model", (REWARD,), field="reward.model")),
+    (Input("policy", (POLICY,), field="base"), Input("reward_model", (REWARD,), field="reward.model"),
+     Input("critic", (REWARD, POLICY), field="critic.model", needed=lambda config: StepPlan.of(config).values)),
+    output=trained_output(POLICY, ADAPTER),
     files=("data.paths", "eval_data.paths", "reward.func"),
 )
 

@@ -3,19 +3,23 @@
 All ranks form one torch.distributed group (gloo on CPU, NCCL on GPU); rank 0 hands out the address.
 Under ZeRO-3 every forward is collective, so the driver always calls every rank with equal-sized
 shards. The frozen reference model lives in the same process (an optimizer-less DeepSpeed engine,
-partitioned like the policy), which is OpenRLHF's ``colocate_actor_ref``.
+partitioned like the policy), which is OpenRLHF's ``colocate_actor_ref``. The critic's ranks
+(``stages.rl.critic``) are a group of their own, built on :class:`Rank` too.
+
+What a rank trains on is a typed :class:`~stages.rl.experience.TrainBatch`; what the step needs is the
+run's :class:`~stages.rl.experience.StepPlan`, decided once from the config.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from stages.common.logprobs import token_logps
 from stages.rl.algorithms import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossInput, policy_objective
 from stages.rl.config import RLConfig
+from stages.rl.experience import StepPlan, TrainBatch
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -23,7 +27,29 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-class Learner:
+def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """A LoRA model's weights with every adapter folded in (``W + get_delta_weight``), named as the base
+    model's own, without touching the trained parameters (peft's in-place merge/unmerge would drift them)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    merged: dict[str, torch.Tensor] = {}
+    for name, mod in base.named_modules():
+        if isinstance(mod, LoraLayer):
+            for adapter in mod.active_adapters:
+                merged[f"{name}.weight"] = merged.get(f"{name}.weight", mod.get_base_layer().weight) + mod.get_delta_weight(adapter)
+    out = {}
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        out[key] = merged.get(key, value)
+    return out
+
+
+class Rank:
+    """What every DeepSpeed rank of the RL stage does alike: join its group, save and load its state."""
+
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
 
@@ -34,39 +60,57 @@ class Learner:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, config: dict, policy_path: str, total_updates: int, master: tuple[str, int]) -> bool:
-        from transformers import AutoModelForCausalLM
-
+    def _join(self, config: dict, master: tuple[str, int]) -> None:
         from stages.common import trainer
-        from stages.dpo import build_reference_engine
 
         os.environ.update(
             RANK=str(self.rank), LOCAL_RANK="0" if not torch.cuda.is_available() else str(self.rank),
             WORLD_SIZE=str(self.world_size), MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
         )
         self.cfg = RLConfig.model_validate(config)
+        self.plan = StepPlan.of(self.cfg)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         trainer.init_distributed()
+
+    def save_state(self, path: str, step: int) -> bool:
+        """DeepSpeed checkpoint of this group's engine (weights, optimizer, scheduler); collective."""
+        self.eng.engine.save_checkpoint(path, tag=f"step{step}", client_state={"step": step})
+        return True
+
+    def load_state(self, path: str) -> int:
+        _, client = self.eng.engine.load_checkpoint(path)
+        return int(client["step"])
+
+
+class Learner(Rank):
+    def setup(self, config: dict, policy_path: str, total_updates: int, master: tuple[str, int]) -> bool:
+        from transformers import AutoModelForCausalLM
+
+        from stages.common import trainer
+        from stages.dpo import build_reference_engine
+
+        self._join(config, master)
         self.eng = trainer.build_engine(
             policy_path, self.cfg.train, self.cfg.lora, total_updates,
             lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, use_safetensors=True),
         )
         self.ref = None
-        if self.cfg.algo.init_kl_coef > 0:
+        if self.plan.ref_logp:
             self.ref, self._ref_keep = build_reference_engine(policy_path, self.cfg.train)
         return True
 
-    def _forward_logps(self, module, batch: dict[str, torch.Tensor], with_entropy: bool = False, temperature: float | None = None):
+    def _forward_logps(self, module, batch: dict[str, torch.Tensor] | TrainBatch, with_entropy: bool = False,
+                       temperature: float | None = None):
         """Token log-probs (and the entropy) of the policy sampled from: logits divided by the rollout
         temperature (``temperature=1.0``: the raw model, as vLLM's prompt log-probs on the probe)."""
         from stages.common.trainer import device
 
-        out = module(
-            input_ids=batch["input_ids"].to(device()), attention_mask=batch["attention_mask"].to(device()), use_cache=False
-        )
+        ids, attn = (batch.input_ids, batch.attention_mask) if isinstance(batch, TrainBatch) else (batch["input_ids"], batch["attention_mask"])
+        ids = ids.to(device())
+        out = module(input_ids=ids, attention_mask=attn.to(device()), use_cache=False)
         t = self.cfg.rollout.temperature if temperature is None else temperature
         logits = out.logits if t == 1.0 else out.logits / t
-        logp = token_logps(logits, batch["input_ids"].to(device()))
+        logp = token_logps(logits, ids)
         if not with_entropy:
             return logp
         if self.cfg.algo.entropy_coef:  # in the loss: with its gradient
@@ -91,11 +135,11 @@ class Learner:
         self.eng.engine.train()
         return {k: torch.cat(v) for k, v in out.items() if v}
 
-    def train(self, updates: list[dict[str, Any]], kl_coef: float) -> dict[str, float]:
-        """One pass over this rank's shares of the optimizer steps: [{"batch": tensors, "norm": float}]."""
+    def train(self, updates: list[TrainBatch], kl_coef: float) -> dict[str, float]:
+        """One pass over this rank's shares of the step's optimizer steps."""
         from stages.common.trainer import device
 
-        cfg, algo = self.cfg, self.cfg.algo
+        cfg, algo, plan = self.cfg, self.cfg.algo, self.plan
         engine = self.eng.engine
         micro = cfg.train.micro_train_batch_size
         scale = cfg.train.accumulation_steps * self.world_size
@@ -104,23 +148,18 @@ class Learner:
         sums = {"policy_loss": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0}
         grad_norms = []
         for update in updates:
-            b, norm = update["batch"], update["norm"]
-            for i in range(0, b["input_ids"].shape[0], micro):
-                part = {k: v[i : i + micro].to(device()) for k, v in b.items()}
-                mask = part["response_mask"].float()
-                logp, entropy = self._forward_logps(engine, part, with_entropy=True)
-                # on-policy with one update per rollout: the behaviour policy is the current one
-                old_logp = part["old_logp"] if "old_logp" in part else logp.detach()
-                inp = PolicyLossInput(
-                    logp, old_logp, part["advantages"], mask,
-                    algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip,
-                )
-                per_token, clipped = policy_loss(inp)
+            for i in range(0, update.size, micro):
+                part = update.rows(i, i + micro).to(device())
+                mask = part.response_mask.float()
                 keep = mask.bool()
-                kl = torch.where(keep, kl_of(logp, part["ref_logp"]), 0.0) if "ref_logp" in part else torch.zeros_like(logp)
-                kl_loss = not algo.kl_in_reward and algo.init_kl_coef > 0
-                loss = policy_objective(per_token, mask, algo.loss_agg, norm, kl=kl if kl_loss else None, kl_coef=kl_coef,
-                                        entropy=entropy, entropy_coef=algo.entropy_coef)
+                logp, entropy = self._forward_logps(engine, part, with_entropy=True)
+                # on-policy (one update per rollout): the behaviour policy is the current one
+                old_logp = part.old_logp if plan.old_logp else logp.detach()
+                inp = PolicyLossInput(logp, old_logp, part.advantages, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
+                per_token, clipped = policy_loss(inp)
+                kl = torch.where(keep, kl_of(logp, part.ref_logp), 0.0) if plan.ref_logp else torch.zeros_like(logp)
+                loss = policy_objective(per_token, mask, algo.loss_agg, part.normaliser, kl=kl if plan.kl_loss else None,
+                                        kl_coef=kl_coef, entropy=entropy, entropy_coef=algo.entropy_coef)
                 engine.backward(loss * scale)
                 engine.step()
                 sums["policy_loss"] += float(torch.where(keep, per_token.detach(), 0.0).sum())
@@ -135,7 +174,8 @@ class Learner:
         return sums
 
     def weights_bytes(self, dtype: str) -> bytes | None:
-        """The full policy state dict as safetensors bytes on rank 0 (every rank must call: ZeRO-3 gather)."""
+        """The full policy state dict as safetensors bytes on rank 0 (every rank must call: ZeRO-3 gather).
+        With LoRA, the merged weights (base + scaled B @ A) under the base model's names: what vLLM loads."""
         from safetensors.torch import save
 
         from stages.common.trainer import gathered
@@ -145,22 +185,14 @@ class Learner:
         with gathered(self.eng):
             if self.rank != 0:
                 return None
-            state = {k: v.detach().to(target).cpu().contiguous().clone() for k, v in module.state_dict().items()}
+            state = merged_state_dict(module) if self.eng.is_peft else module.state_dict()
+            state = {k: v.detach().to(target).cpu().contiguous().clone() for k, v in state.items()}
         return save(state)
 
     def probe_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The raw model's log-probs (temperature 1, as vLLM's prompt log-probs) on the sync probe."""
         out = self.logprobs(batch, reference=False, temperature=1.0)["logp"]
         return out if self.rank == 0 else None
-
-    def save_state(self, path: str, step: int) -> bool:
-        """DeepSpeed checkpoint of the policy engine (weights, optimizer, scheduler); collective."""
-        self.eng.engine.save_checkpoint(path, tag=f"step{step}", client_state={"step": step})
-        return True
-
-    def load_state(self, path: str) -> int:
-        _, client = self.eng.engine.load_checkpoint(path)
-        return int(client["step"])
 
     def export(self, out_dir: str, tokenizer_path: str) -> bool:
         from pathlib import Path

@@ -126,17 +126,47 @@ def test_bad_reward_source_and_config_fail_before_ray_starts(task_files, sft_pol
         run_rl(cfg, sft_policy)
     with pytest.raises(ValueError, match=r"train.train_batch_size: 12 does not divide the 32 samples"):
         _config(task_files, tmp_path, bad, train__train_batch_size=12, train__micro_train_batch_size=4, train__world_size=1)
-    with pytest.raises(ValueError, match=r"advantage_estimator: 'gae' is unknown; valid: dr_grpo, group_norm"):
-        _config(task_files, tmp_path, bad, algo__advantage_estimator="gae")
+    with pytest.raises(ValueError, match=r"advantage_estimator: 'vtrace' is unknown; valid: dr_grpo, gae, group_norm"):
+        _config(task_files, tmp_path, bad, algo__advantage_estimator="vtrace")
     # a NaN reward stops the first step, naming the source, and Ray is shut down
     with pytest.raises(RewardError, match=r"reward func .*bad.py: 'rewards' has non-finite values"):
         run_rl(_config(task_files, tmp_path, bad, train__world_size=1, train__zero_stage=2), sft_policy)
     assert ray_processes() == []
 
 
-def test_interrupted_rl_run_resumes_to_the_same_trajectory(task_files, sft_policy, tmp_path, monkeypatch):
+def _constant_reward(folder: Path) -> Path:
+    func = folder / "constant.py"
+    func.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0] * len(queries)}\n")
+    return func
+
+
+def test_ppo_with_a_critic_the_value_loss_falls_and_the_policy_waits_while_the_critic_warms_up(task_files, sft_policy, tmp_path):
+    """PPO-GAE with two ZeRO-3 critic ranks beside two ZeRO-3 policy ranks: with a reward of 1 for every
+    sample the returns are 1 at every response token, so the critic's value loss must fall; for the first
+    `critic.freezing_steps` steps the policy is not updated (and the engines keep their weights)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(task_files, tmp_path, _constant_reward(tmp_path), max_steps=6, algo__advantage_estimator="gae",
+                  algo__gamma=1.0, algo__lambd=0.95, critic={"lr": 3e-3, "freezing_steps": 2, "value_clip": None})
+    ref = run_rl(cfg, sft_policy)
+    steps = _metrics(ref)
+    assert [s.get("policy_frozen", 0.0) for s in steps] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert all("policy_loss" not in s for s in steps[:2]) and all("policy_loss" in s for s in steps[2:])
+    losses = [s["critic_loss"] for s in steps]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert abs(steps[-1]["value_mean"] - 1.0) < abs(steps[0]["value_mean"] - 1.0)  # toward the return
+    assert all(abs(s["return_mean"] - 1.0) < 0.5 for s in steps)  # A + V with lambda < 1: near the Monte-Carlo 1
+    assert all(s["sync_logprob_diff"] <= 1e-3 for s in steps[2:])
+    new = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
+    old = AutoModelForCausalLM.from_pretrained(sft_policy.path, dtype=torch.float32)
+    assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
+    assert ray_processes() == []
+
+
+def test_interrupted_ppo_run_resumes_policy_and_critic_to_the_same_trajectory(task_files, sft_policy, tmp_path, monkeypatch):
     arith = ROOT / "recipes/rewards/arithmetic.py"
-    common = {"max_steps": 4, "train__world_size": 1, "train__zero_stage": 2, "train__save_steps": 2}
+    common = {"max_steps": 4, "train__world_size": 1, "train__zero_stage": 2, "train__save_steps": 2,
+              "algo__advantage_estimator": "gae", "critic": {"lr": 1e-3, "freezing_steps": 1}}
     full = _metrics(run_rl(_config(task_files, tmp_path / "a", arith, **common), sft_policy))
     cfg = _config(task_files, tmp_path / "b", arith, **common)
     monkeypatch.setenv("RLHF_FAULT_STEP", "3")
@@ -148,8 +178,33 @@ def test_interrupted_rl_run_resumes_to_the_same_trajectory(task_files, sft_polic
     assert [s["step"] for s in resumed] == [1, 2, 3, 4]
     for a, b in zip(full, resumed):
         assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"]
-        assert abs(a["policy_loss"] - b["policy_loss"]) < 1e-6
+        assert abs(a["critic_loss"] - b["critic_loss"]) < 1e-6 and abs(a["value_mean"] - b["value_mean"]) < 1e-6
+        assert abs(a.get("policy_loss", 0.0) - b.get("policy_loss", 0.0)) < 1e-6
     assert resumed[2]["sync_logprob_diff"] <= 1e-3  # the resumed weights were pushed and verified
+
+
+def test_lora_rl_pushes_merged_weights_and_outputs_an_adapter_that_merges(task_files, sft_policy, tmp_path):
+    """The policy trains a LoRA adapter under ZeRO-3; vLLM gets the merged weights (every push verified by the
+    probe); the stage outputs an adapter on the SFT policy, which the LoRA merge stage folds in."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.lora_merge import LoraMergeConfig, run_lora_merge
+
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), train__world_size=1, train__lr=1e-2,
+                  lora={"rank": 8, "alpha": 16})
+    ref = run_rl(cfg, sft_policy)
+    m = read_manifest(ref.path)
+    assert (m.kind, m.parent, m.base) == ("adapter", sft_policy.digest, sft_policy.digest)
+    assert (Path(ref.path) / "adapter_model.safetensors").is_file() and not (Path(ref.path) / "model.safetensors").exists()
+    steps = _metrics(ref)
+    assert all(s["sync_logprob_diff"] <= 1e-3 for s in steps)  # vLLM runs base + adapter, merged
+    merged = run_lora_merge(LoraMergeConfig(output_root=str(tmp_path)), ref, sft_policy)
+    assert read_manifest(merged.path).kind == "full"
+    new = AutoModelForCausalLM.from_pretrained(merged.path, dtype=torch.float32)
+    old = AutoModelForCausalLM.from_pretrained(sft_policy.path, dtype=torch.float32)
+    q_new, q_old = new.model.layers[0].self_attn.q_proj.weight, old.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(q_new, q_old) and torch.equal(new.lm_head.weight, old.lm_head.weight)  # adapters on linear layers
+    assert ray_processes() == []
 
 
 def test_reward_model_as_the_reward_source(task_files, sft_policy, tokenizer, tmp_path):
@@ -163,9 +218,10 @@ def test_reward_model_as_the_reward_source(task_files, sft_policy, tokenizer, tm
         "train": {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 8, "max_steps": 2, "progress_bar": False},
         "output_root": str(tmp_path),
     }), sft_policy)
+    # PPO with a critic: it starts from the reward model (its body and score head), as in OpenRLHF
     cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", reward={"model": rm.path},
                   max_steps=1, log_rollouts_every=1, train__world_size=1, train__zero_stage=2,
-                  algo__normalize_reward=True)
+                  algo__normalize_reward=True, algo__advantage_estimator="gae")
     out = run_rl(cfg, sft_policy)
     rows = [json.loads(ln) for ln in (Path(out.path).parent / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(rows) == 32

@@ -146,8 +146,8 @@ def test_aggregation_does_not_depend_on_the_micro_batch_split(mode):
 
 
 def test_bad_keys_list_the_valid_ones():
-    with pytest.raises(ValueError, match="advantage estimator 'gae' is unknown; valid: dr_grpo, group_norm, reinforce"):
-        lookup(ADVANTAGE_ESTIMATORS, "gae", "advantage estimator")
+    with pytest.raises(ValueError, match="advantage estimator .vtrace. is unknown; valid: dr_grpo, gae, group_norm, reinforce"):
+        lookup(ADVANTAGE_ESTIMATORS, "vtrace", "advantage estimator")
     with pytest.raises(ValueError, match="group"):
         ADVANTAGE_ESTIMATORS["rloo"](AdvantageInput(torch.ones(3), torch.ones(3, 2), 2))
 
@@ -236,3 +236,17 @@ def test_entropy_coefficient_semantics():
     # KL as a loss term: + coef * mean KL; junk at the masked position stays out of every term
     got = policy_objective(per_token, mask, "token_mean", 2.0, kl=kl, kl_coef=0.5, entropy=entropy, entropy_coef=0.01)
     assert got.item() == pytest.approx(base + 0.5 * 0.2 - 0.015)
+
+
+def test_the_gae_estimator_whitens_the_advantages_but_returns_advantages_plus_values():
+    values = torch.full((4, 3), 0.25, dtype=torch.float64)
+    adv_out, ret = ADVANTAGE_ESTIMATORS["gae"](AdvantageInput(SCORES, MASK, group_size=2, values=values, gamma=1.0, lambd=1.0))
+    # gamma = lambda = 1: the return is the score on every response token; the advantage whitens score - value
+    assert torch.allclose(ret, spread(SCORES.tolist()))
+    raw = (spread(SCORES.tolist()) - 0.25) * MASK
+    n = MASK.sum()
+    mean = (raw * MASK).sum() / n
+    std = torch.sqrt((((raw - mean) * MASK) ** 2).sum() / n)
+    assert torch.allclose(adv_out, (raw - mean) / std * MASK, atol=1e-6)
+    with pytest.raises(ValueError, match="gae needs the critic's values"):
+        ADVANTAGE_ESTIMATORS["gae"](AdvantageInput(SCORES, MASK, group_size=2))

@@ -130,3 +130,13 @@ def test_file_hashes_are_remembered_within_a_run_only_for_files_that_settled(tmp
             expected = hashlib.file_digest(f, "sha256").hexdigest()
         assert sha256_file(old) == expected
     assert _REMEMBERED.get() is None
+
+
+def test_an_input_the_config_does_not_use_is_not_part_of_the_identity(tmp_path):
+    """The default pipeline wires the reward model to RL as the critic's start: only PPO (gae) uses it."""
+    spec = registry.spec("rl")
+    grpo = RLConfig.model_validate({"data": {"paths": ["x.jsonl"]}, "reward": {"func": "r.py"}})
+    ppo = grpo.model_copy(update={"algo": grpo.algo.model_copy(update={"advantage_estimator": "gae"})})
+    assert spec.identify(grpo, {"policy": ref("a"), "critic": ref("rm")}).key == spec.identify(grpo, {"policy": ref("a")}).key
+    assert spec.resolve_inputs(grpo, {"policy": ref("a"), "critic": ref("rm")})["critic"] is None
+    assert spec.identify(ppo, {"policy": ref("a"), "critic": ref("rm")}).key != spec.identify(ppo, {"policy": ref("a")}).key

@@ -1,0 +1,209 @@
+"""The RL step's typed experience pipeline: what a step needs, its samples, its experience, its updates.
+
+One step (``stages.rl.driver.RLLoop.run``) is a short list of calls over these types::
+
+    samples    = loop.rollout(step)                      # vLLM: token ids in and out        -> Samples
+    scored     = loop.score(samples)                     # reward source                     -> Scores
+    forward    = loop.forward(samples)                   # learners and critic, no grad      -> Forward
+    experience = make_experience(plan, cfg, samples, scored, forward, kl)   # pure function  -> Experience
+    metrics    = loop.update(experience, step)           # critic and policy updates (updates_of)
+    loop.sync(probe)                                     # push and verify the weights
+
+What a step needs is decided once, from the config, in :class:`StepPlan`: whether the learners compute
+old (behaviour) log-probs, whether there is a reference, whether a critic gives values, whether vLLM
+reports its sampling log-probs. Every optional field below is None exactly when the plan says so; nothing
+downstream tests for a key to decide what to do. Estimators, losses and penalties live in
+``stages.rl.algorithms`` registries; adding one does not touch the loop. KL bookkeeping (the fixed or
+adaptive coefficient) is :class:`KLController`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from stages.rl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    NEEDS_CRITIC,
+    AdvantageInput,
+    aggregation_normaliser,
+    overlong_penalty,
+)
+from stages.rl.config import RLConfig
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every step of a run needs, decided once from the config."""
+
+    old_logp: bool  # the learners compute the behaviour policy's log-probs (else: on-policy, one update)
+    ref_logp: bool  # a frozen reference gives log-probs (init_kl_coef > 0)
+    values: bool  # a critic gives values (PPO with GAE)
+    rollout_logp: bool  # vLLM reports its sampling log-probs (compared with the old ones each step)
+    kl_in_reward: bool  # KL shapes the per-token reward (else, with a reference, it is a loss term)
+
+    @classmethod
+    def of(cls, cfg: RLConfig) -> StepPlan:
+        algo, ro = cfg.algo, cfg.rollout
+        ref = algo.init_kl_coef > 0
+        kl_reward = ref and algo.kl_in_reward
+        samples = ro.rollout_batch_size * ro.n_samples_per_prompt
+        # one optimizer step per rollout, one epoch: the policy that sampled is the one being updated
+        on_policy = algo.ppo_epochs == 1 and samples == cfg.train.train_batch_size and not kl_reward
+        return cls(old_logp=not on_policy, ref_logp=ref, values=algo.advantage_estimator in NEEDS_CRITIC,
+                   rollout_logp=not on_policy, kl_in_reward=kl_reward)
+
+    @property
+    def kl_loss(self) -> bool:
+        return self.ref_logp and not self.kl_in_reward
+
+
+@dataclass
+class Samples:
+    """A step's rollouts: ``n_samples_per_prompt`` consecutive samples per prompt, padded on the right."""
+
+    prompt_index: list[int]  # [P] rows of the data, one per group
+    prompt_ids: list[list[int]]  # [B]
+    response_ids: list[list[int]]  # [B] exactly as vLLM sampled them
+    texts: list[str]  # [B]
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    response_mask: torch.Tensor  # [B, T] 1 on response tokens
+    rollout_logp: torch.Tensor | None  # [B, T] vLLM's sampling log-probs at response positions (plan.rollout_logp)
+
+    @classmethod
+    def of(cls, prompt_index: list[int], groups: list[list[Any]], pad_id: int, with_logp: bool) -> Samples:
+        flat = [c for group in groups for c in group]
+        width = max(len(c.prompt_ids) + len(c.token_ids) for c in flat)
+        b = len(flat)
+        ids = torch.full((b, width), pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        resp = torch.zeros((b, width), dtype=torch.long)
+        logp = torch.zeros((b, width), dtype=torch.float32) if with_logp else None
+        for i, c in enumerate(flat):
+            p, r = len(c.prompt_ids), len(c.token_ids)
+            ids[i, : p + r] = torch.tensor(c.prompt_ids + c.token_ids)
+            attn[i, : p + r] = 1
+            resp[i, p : p + r] = 1
+            if logp is not None:
+                logp[i, p : p + r] = torch.tensor(c.logprobs)
+        return cls(prompt_index, [list(c.prompt_ids) for c in flat], [list(c.token_ids) for c in flat],
+                   [c.text for c in flat], ids, attn, resp, logp)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a forward pass needs."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "response_mask": self.response_mask}
+
+
+@dataclass
+class Scores:
+    """The reward source's answer (OpenRLHF's contract) for every sample, in order."""
+
+    rewards: torch.Tensor  # [B] what drives the advantages
+    scores: torch.Tensor  # [B] what the task counts as success
+    extra_logs: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, result: dict[str, Any]) -> Scores:
+        return cls(result["rewards"], result["scores"], result.get("extra_logs") or {})
+
+
+@dataclass
+class Forward:
+    """No-grad forward passes over the samples, as the plan asks."""
+
+    old_logp: torch.Tensor | None  # [B, T] behaviour policy (plan.old_logp)
+    ref_logp: torch.Tensor | None  # [B, T] reference (plan.ref_logp)
+    values: torch.Tensor | None  # [B, T] critic, V of the state before each token (plan.values)
+
+
+@dataclass
+class Experience:
+    """Samples with everything the updates train on."""
+
+    samples: Samples
+    scores: Scores
+    forward: Forward
+    kl: torch.Tensor | None  # [B, T] per-token KL to the reference (zero off the response), when there is one
+    shaped: torch.Tensor  # [B] the sequence rewards after penalties, before baselines
+    advantages: torch.Tensor  # [B, T]
+    returns: torch.Tensor  # [B, T] (the critic's targets with GAE)
+
+
+class KLController:
+    """The KL coefficient: fixed, or adaptive toward ``kl_target`` (Ziegler et al. 2019), as OpenRLHF."""
+
+    def __init__(self, init: float, target: float | None, horizon: int):
+        self.value, self.target, self.horizon = init, target, horizon
+
+    def update(self, mean_kl: float, n_samples: int) -> None:
+        if self.target is None:
+            return
+        err = max(min(mean_kl / self.target - 1, 0.2), -0.2)
+        self.value *= 1 + err * n_samples / self.horizon
+
+
+def make_experience(plan: StepPlan, cfg: RLConfig, samples: Samples, scored: Scores, forward: Forward,
+                    kl_coef: float) -> Experience:
+    """Rewards shaped (overlong penalty, then in the estimator reward clip and KL), advantages and returns.
+    Pure: no actors involved."""
+    algo, ro = cfg.algo, cfg.rollout
+    mask = samples.response_mask.float()
+    kl = None
+    if plan.ref_logp and forward.old_logp is not None:  # on-policy with KL as a loss: measured by the learners
+        kl = torch.where(mask.bool(), KL_ESTIMATORS[algo.kl_estimator](forward.old_logp, forward.ref_logp), 0.0)
+    shaped = scored.rewards.double()
+    if algo.overlong_buffer:
+        shaped = shaped + overlong_penalty(mask.sum(-1), ro.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty).double()
+    inp = AdvantageInput(shaped.float(), mask, ro.n_samples_per_prompt, kl=kl if plan.kl_in_reward else None,
+                         kl_coef=kl_coef, gamma=algo.gamma, reward_clip=algo.reward_clip, values=forward.values,
+                         lambd=algo.lambd)
+    advantages, returns = ADVANTAGE_ESTIMATORS[algo.advantage_estimator](inp)
+    return Experience(samples, scored, forward, kl, shaped, advantages.float(), returns.float())
+
+
+@dataclass
+class TrainBatch:
+    """One rank's share of one optimizer step: what the policy and the critic train on."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    old_logp: torch.Tensor | None  # None exactly when on-policy (plan.old_logp False): the current log-probs are
+    ref_logp: torch.Tensor | None  # plan.ref_logp
+    old_values: torch.Tensor | None  # plan.values
+    normaliser: float  # the loss aggregation's divisor over the whole optimizer step (all ranks)
+
+    def rows(self, start: int, stop: int) -> TrainBatch:
+        return replace(self, **{f.name: getattr(self, f.name)[start:stop] for f in fields(self)
+                               if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                               if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def updates_of(exp: Experience, cfg: RLConfig, n_ranks: int) -> list[list[TrainBatch]]:
+    """The step's samples as optimizer steps (``train_batch_size`` samples each) split into rank shares:
+    ``[rank][update]``. The normaliser of each optimizer step is computed over all of it."""
+    s, f = exp.samples, exp.forward
+    whole = TrainBatch(s.input_ids, s.attention_mask, s.response_mask, exp.advantages, exp.returns,
+                       f.old_logp, f.ref_logp, f.values, 0.0)
+    tb = cfg.train.train_batch_size
+    per_rank: list[list[TrainBatch]] = [[] for _ in range(n_ranks)]
+    for start in range(0, whole.size, tb):
+        chunk = whole.rows(start, start + tb)
+        norm = aggregation_normaliser([chunk.response_mask], cfg.algo.loss_agg, cfg.rollout.max_new_tokens)
+        size = chunk.size // n_ranks
+        for r in range(n_ranks):
+            per_rank[r].append(replace(chunk.rows(r * size, (r + 1) * size), normaliser=norm))
+    return per_rank
