@@ -57,6 +57,9 @@ class AlgoConfig(BaseModel):
     kl_in_reward: bool = True  # True: -coef*KL per token in the reward; False: coef*KL as a loss term
     kl_target: float | None = None  # adaptive coefficient (Ziegler et al. 2019) when set
     kl_horizon: int = 10000
+    # clip the sequence reward to [-c, c]. Differs from OpenRLHF on purpose: OpenRLHF clips the raw reward
+    # before the group baseline; here the clip applies to what the estimator passes on (the baselined reward
+    # for rloo / group_norm / dr_grpo / reinforce_baseline, the raw one for reinforce and gae)
     reward_clip: float | None = None
     normalize_reward: bool = False  # with a reward model: (r - mean) / std from its checkpoint
     overlong_buffer: int | None = None  # DAPO: penalise the last `buffer` tokens before max_new_tokens

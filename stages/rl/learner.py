@@ -63,9 +63,11 @@ class Rank:
     def _join(self, config: dict, master: tuple[str, int]) -> None:
         from stages.common import trainer
 
+        # under Ray an actor sees only the GPU(s) it was given (CUDA_VISIBLE_DEVICES), as device 0 upward:
+        # its local device is 0 whatever its rank (set_device(rank) would name a device it cannot see)
         os.environ.update(
-            RANK=str(self.rank), LOCAL_RANK="0" if not torch.cuda.is_available() else str(self.rank),
-            WORLD_SIZE=str(self.world_size), MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+            RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(self.world_size),
+            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
         )
         self.cfg = RLConfig.model_validate(config)
         self.plan = StepPlan.of(self.cfg)

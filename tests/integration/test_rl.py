@@ -267,3 +267,13 @@ def test_sigterm_mid_run_leaves_no_ray_process(task_files, sft_policy, tmp_path)
     time.sleep(2)
     assert ray_processes() == []
     assert not list(tmp_path.glob("rl-*/checkpoint"))
+
+
+@pytest.mark.gpu
+def test_on_cuda_one_learner_and_one_engine_train_and_sync(task_files, sft_policy, tmp_path):
+    """The GPU path (NCCL, the actor's own visible GPU as device 0, vLLM on CUDA): two steps, every push verified."""
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=2, train__world_size=1,
+                  train__zero_stage=3, train__dtype="bf16", rollout__dtype="bfloat16", sync_tolerance=0.05)
+    steps = _metrics(run_rl(cfg, sft_policy))
+    assert [s["step"] for s in steps] == [1, 2] and all(s["sync_logprob_diff"] <= 0.05 for s in steps)
+    assert ray_processes() == []
