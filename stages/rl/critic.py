@@ -61,31 +61,17 @@ class Critic(Rank):
 
     def train(self, updates: list[TrainBatch]) -> dict[str, float]:
         """One pass over this rank's shares of the step's optimizer steps: regress the values on the returns."""
-        from stages.common.trainer import device
-
         cfg = self.cfg
-        engine = self.eng.engine
-        micro = cfg.train.micro_train_batch_size
-        scale = cfg.train.accumulation_steps * self.world_size
-        sums = {"critic_loss": 0.0, "values": 0.0, "critic_clip_ratio": 0.0, "tokens": 0.0}
-        grad_norms = []
-        for update in updates:
-            for i in range(0, update.size, micro):
-                part = update.rows(i, i + micro).to(device())
-                mask = part.response_mask.float()
-                keep = mask.bool()
-                values = self._values(part.input_ids, part.attention_mask)
-                per_token = value_loss(values, part.old_values, part.returns, mask, cfg.critic.value_clip)
-                engine.backward(aggregate(per_token, mask, cfg.algo.loss_agg, part.normaliser) * scale)
-                engine.step()
-                sums["critic_loss"] += float(per_token.detach().sum())
-                sums["values"] += float(torch.where(keep, values.detach(), 0.0).sum())
-                if cfg.critic.value_clip is not None:
-                    moved = (values.detach() - part.old_values).abs() > cfg.critic.value_clip
-                    sums["critic_clip_ratio"] += float((moved & keep).float().sum())
-                sums["tokens"] += float(mask.sum())
-            gn = engine.get_global_grad_norm()
-            grad_norms.append(float(gn) if gn is not None else float("nan"))
-        sums["critic_grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-        sums["critic_lr"] = engine.get_lr()[0]
-        return sums
+        clip = cfg.critic.value_clip
+
+        def micro_loss(part: TrainBatch):
+            mask = part.response_mask.float()
+            keep = mask.bool()
+            values = self._values(part.input_ids, part.attention_mask)
+            per_token = value_loss(values, part.old_values, part.returns, mask, clip)
+            moved = (values.detach() - part.old_values).abs() > clip if clip is not None else torch.zeros_like(keep)
+            return aggregate(per_token, mask, cfg.algo.loss_agg, part.normaliser), {
+                "critic_loss": float(per_token.detach().sum()), "values": float(torch.where(keep, values.detach(), 0.0).sum()),
+                "critic_clip_ratio": float((moved & keep).float().sum()), "tokens": float(mask.sum())}
+
+        return self._passes(updates, micro_loss, prefix="critic_")

@@ -83,6 +83,29 @@ class Rank:
         _, client = self.eng.engine.load_checkpoint(path)
         return int(client["step"])
 
+    def _passes(self, updates: list[TrainBatch], micro_loss, prefix: str = "") -> dict[str, float]:
+        """One pass over this rank's shares of the step's optimizer steps, micro-batch by micro-batch:
+        ``micro_loss(part) -> (loss, {metric: sum})``; returns the metric sums, the mean grad norm and the lr."""
+        from stages.common.trainer import device
+
+        engine = self.eng.engine
+        micro = self.cfg.train.micro_train_batch_size
+        scale = self.cfg.train.accumulation_steps * self.world_size
+        sums: dict[str, float] = {}
+        grad_norms = []
+        for update in updates:
+            for i in range(0, update.size, micro):
+                loss, metrics = micro_loss(update.rows(i, i + micro).to(device()))
+                engine.backward(loss * scale)
+                engine.step()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            gn = engine.get_global_grad_norm()
+            grad_norms.append(float(gn) if gn is not None else float("nan"))
+        sums[f"{prefix}grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+        sums[f"{prefix}lr"] = engine.get_lr()[0]
+        return sums
+
 
 class Learner(Rank):
     def setup(self, config: dict, policy_path: str, total_updates: int, master: tuple[str, int]) -> bool:
@@ -139,41 +162,27 @@ class Learner(Rank):
 
     def train(self, updates: list[TrainBatch], kl_coef: float) -> dict[str, float]:
         """One pass over this rank's shares of the step's optimizer steps."""
-        from stages.common.trainer import device
-
-        cfg, algo, plan = self.cfg, self.cfg.algo, self.plan
-        engine = self.eng.engine
-        micro = cfg.train.micro_train_batch_size
-        scale = cfg.train.accumulation_steps * self.world_size
+        algo, plan = self.cfg.algo, self.plan
         policy_loss = POLICY_LOSSES[algo.policy_loss]
         kl_of = KL_ESTIMATORS[algo.kl_estimator]
-        sums = {"policy_loss": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0}
-        grad_norms = []
-        for update in updates:
-            for i in range(0, update.size, micro):
-                part = update.rows(i, i + micro).to(device())
-                mask = part.response_mask.float()
-                keep = mask.bool()
-                logp, entropy = self._forward_logps(engine, part, with_entropy=True)
-                # on-policy (one update per rollout): the behaviour policy is the current one
-                old_logp = part.old_logp if plan.old_logp else logp.detach()
-                inp = PolicyLossInput(logp, old_logp, part.advantages, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
-                per_token, clipped = policy_loss(inp)
-                kl = torch.where(keep, kl_of(logp, part.ref_logp), 0.0) if plan.ref_logp else torch.zeros_like(logp)
-                loss = policy_objective(per_token, mask, algo.loss_agg, part.normaliser, kl=kl if plan.kl_loss else None,
-                                        kl_coef=kl_coef, entropy=entropy, entropy_coef=algo.entropy_coef)
-                engine.backward(loss * scale)
-                engine.step()
-                sums["policy_loss"] += float(torch.where(keep, per_token.detach(), 0.0).sum())
-                sums["clip_ratio"] += float(clipped.float().sum())
-                sums["entropy"] += float(torch.where(keep, entropy.detach(), 0.0).sum())
-                sums["kl"] += float(kl.detach().sum())
-                sums["tokens"] += float(mask.sum())
-            gn = engine.get_global_grad_norm()
-            grad_norms.append(float(gn) if gn is not None else float("nan"))
-        sums["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-        sums["lr"] = engine.get_lr()[0]
-        return sums
+
+        def micro_loss(part: TrainBatch):
+            mask = part.response_mask.float()
+            keep = mask.bool()
+            logp, entropy = self._forward_logps(self.eng.engine, part, with_entropy=True)
+            # on-policy (one update per rollout): the behaviour policy is the current one
+            old_logp = part.old_logp if plan.old_logp else logp.detach()
+            inp = PolicyLossInput(logp, old_logp, part.advantages, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
+            per_token, clipped = policy_loss(inp)
+            kl = torch.where(keep, kl_of(logp, part.ref_logp), 0.0) if plan.ref_logp else torch.zeros_like(logp)
+            loss = policy_objective(per_token, mask, algo.loss_agg, part.normaliser, kl=kl if plan.kl_loss else None,
+                                    kl_coef=kl_coef, entropy=entropy, entropy_coef=algo.entropy_coef)
+            return loss, {"policy_loss": float(torch.where(keep, per_token.detach(), 0.0).sum()),
+                          "clip_ratio": float(clipped.float().sum()),
+                          "entropy": float(torch.where(keep, entropy.detach(), 0.0).sum()),
+                          "kl": float(kl.detach().sum()), "tokens": float(mask.sum())}
+
+        return self._passes(updates, micro_loss)
 
     def weights_bytes(self, dtype: str) -> bytes | None:
         """The full policy state dict as safetensors bytes on rank 0 (every rank must call: ZeRO-3 gather).
