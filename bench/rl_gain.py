@@ -4,7 +4,9 @@ Starts from an SFT checkpoint (``sft=PATH``, else the default SFT recipe is run 
 recipe with each estimator, and reports greedy held-out accuracy before and after, the RL wall time
 and the seed. Prints a table and writes bench/results/rl_gain.json.
 
-Run: ``python -m bench.rl_gain [sft=PATH] [steps=60] [estimators=reinforce_baseline,group_norm,gae] [key=value ...]``
+Run: ``python -m bench.rl_gain [sft=PATH] [critic=PATH] [steps=60] [estimators=reinforce_baseline,group_norm,gae] [key=value ...]``
+(``critic``: the checkpoint gae's critic starts from, e.g. the reward model stage's; default: the SFT policy;
+``out``: the JSON to write, default bench/results/rl_gain.json)
 (remaining ``key=value`` arguments override recipes/rl/tiny.yaml)
 """
 
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.split("=", 1)[0] in ("sft", "steps", "estimators", "root")}
+    opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.split("=", 1)[0] in ("sft", "critic", "steps", "estimators", "root", "out")}
     overrides = [a for a in args if a.split("=", 1)[0] not in opts]
     root = opts.get("root", "runs")
     if "sft" in opts:
@@ -42,13 +44,13 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml"), f"output_root={root}", f"max_steps={opts.get('steps', 60)}",
                                      f"algo.advantage_estimator={est}", "train.progress_bar=false", *overrides])
         t = time.time()
-        ref = run_rl(cfg, sft)
+        ref = run_rl(cfg, sft, critic=load_ref(opts["critic"]) if "critic" in opts else None)
         wall = time.time() - t
         extra = read_manifest(ref.path).extra
         metrics = [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
         trajectory = [[m["step"], round(m["eval_accuracy"], 4)] for m in metrics if "eval_accuracy" in m]
         before, after = extra["initial_eval"]["eval_accuracy"], extra["final_eval"]["eval_accuracy"]
-        rows.append({"estimator": est, "steps": cfg.max_steps, "seed": cfg.seed, "lr": cfg.train.lr,
+        rows.append({"estimator": est, "critic_init": opts.get("critic") if est == "gae" else None, "steps": cfg.max_steps, "seed": cfg.seed, "lr": cfg.train.lr,
                      "sft_accuracy": round(before, 4), "rl_accuracy": round(after, 4),
                      "gain_points": round(100 * (after - before), 1), "rl_wall_s": round(wall, 1), "checkpoint": ref.path,
                      "eval_accuracy_by_step": trajectory})
@@ -56,9 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"sft": sft.path, "overrides": overrides, "rows": rows}, indent=2))
-    print(f"wrote {OUT}")
+    out = Path(opts.get("out", OUT))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"sft": sft.path, "overrides": overrides, "rows": rows}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
