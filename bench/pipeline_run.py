@@ -49,8 +49,7 @@ def identity_cost(pipeline: str, root: Path) -> dict:
     outputs: dict = {}
     with remembered_hashes():
         for st in p.stages:
-            wired = {k: ({n: outputs[n] for n in v} if isinstance(v, list) else outputs[v]) for k, v in st.spec.inputs.items()}
-            run = st.stage.identify(st.config, st.stage.resolve_inputs(st.config, wired))
+            _, run = st.identify(outputs)
             outputs[st.spec.name] = st.stage.existing(run)
             if outputs[st.spec.name] is None:
                 raise SystemExit(f"{st.spec.name}: no finished output under {run.run_dir}: this process's identity differs from the flow's")

@@ -14,7 +14,6 @@ Loading verifies every file against the manifest before anything reads it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -83,17 +82,20 @@ def sha256_file(path: str | Path) -> str:
     path = Path(path)
     memo = _REMEMBERED.get()
     if memo is None:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        return _read_sha256(path)
     st = path.stat()
     key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in memo:
-        with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        digest = _read_sha256(path)
         if time.time_ns() - st.st_mtime_ns <= 2_000_000_000:
             return digest
         memo[key] = digest
     return memo[key]
+
+
+def _read_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @contextmanager
@@ -123,12 +125,6 @@ def content_digest(files: dict[str, str]) -> str:
     for name in sorted(files):
         h.update(f"{name}\0{files[name]}\n".encode())
     return h.hexdigest()
-
-
-def config_hash(config: BaseModel | dict) -> str:
-    """A stable hash of a config: canonical JSON (sorted keys) of its fields."""
-    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def _fsync_dir(path: Path) -> None:

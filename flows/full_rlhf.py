@@ -63,9 +63,7 @@ def run_plan(p: Plan, refresh: set[str] | bool = False) -> dict[str, CheckpointR
     outputs: dict[str, CheckpointRef | EvalReport] = {}
     with remembered_hashes():
         for st in p.stages:
-            wired = {k: ({n: outputs[n] for n in v} if isinstance(v, list) else outputs[v]) for k, v in st.spec.inputs.items()}
-            inputs = st.stage.resolve_inputs(st.config, wired)  # unwired inputs: the model their config field names
-            run = st.stage.identify(st.config, inputs)
+            inputs, run = st.identify(outputs)
             force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
             if not force and not cached_result_usable(run.key):
                 logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")

@@ -33,7 +33,7 @@ from stages.common.recipe import (
     set_dotted,
     validate,
 )
-from stages.common.stage import PROJECT_ROOT, StageSpec
+from stages.common.stage import PROJECT_ROOT, StageRun, StageSpec
 
 __all__ = ["PROJECT_ROOT", "Plan", "PlannedStage", "PipelineRecipe", "StagePlan", "plan", "plan_data"]
 
@@ -66,6 +66,13 @@ class PlannedStage:
     stage: StageSpec  # the stage type's own spec (stages.registry)
     config: BaseModel
     output: str  # the kind of its output (stages.common.stage: POLICY, REWARD, ADAPTER, ...)
+
+    def identify(self, outputs: dict[str, Any]) -> tuple[dict[str, Any], StageRun]:
+        """This stage's inputs, from the earlier stages' ``outputs`` it is wired to (unwired ones: the
+        model their config field names), and its run identity."""
+        wired = {k: ({n: outputs[n] for n in v} if isinstance(v, list) else outputs[v]) for k, v in self.spec.inputs.items()}
+        inputs = self.stage.resolve_inputs(self.config, wired)
+        return inputs, self.stage.identify(self.config, inputs)
 
 
 @dataclass

@@ -26,6 +26,7 @@ folder, and in-stage resume only ever finds state written under the same identit
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import modulefinder
 import os
@@ -120,7 +121,7 @@ class StageSpec:
         parts["files"] = self.file_digests(config)
         parts["code"] = code_version(self.modules)
         blob = json.dumps({"stage": self.name, **parts}, sort_keys=True, separators=(",", ":"))
-        return StageRun(stage=self.name, key=f"{self.name}-{content_digest({'': blob})[:24]}",
+        return StageRun(stage=self.name, key=f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}",
                         output_root=str(config.output_root), parts=parts)
 
     def _canonical_config(self, config: BaseModel) -> dict[str, Any]:

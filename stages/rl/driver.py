@@ -131,18 +131,13 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     when there is one (as OpenRLHF), else the policy."""
     from transformers import AutoTokenizer
 
-    from checkpoints import load_ref
-
     verify(policy)
     require_kind(policy, ("full",), "the RL policy")
-    if reward_model is None and config.reward.model:
-        reward_model = load_ref(config.reward.model)
+    # inputs not given come from their config fields (reward.model, critic.model); the critic only with one
+    inputs = SPEC.resolve_inputs(config, {"policy": policy, "reward_model": reward_model, "critic": critic})
+    reward_model, critic = inputs["reward_model"], inputs["critic"]
     plan = StepPlan.of(config)
-    if not plan.values:
-        critic = None  # no critic: its input is not part of what this run computes
-    elif critic is None and config.critic.model:
-        critic = load_ref(config.critic.model)
-    run = SPEC.identify(config, {"policy": policy, "reward_model": reward_model, "critic": critic}, run)
+    run = SPEC.identify(config, inputs, run)
     if reward_model is not None:
         verify(reward_model)
         require_kind(reward_model, ("reward",), "the RL reward model")
@@ -152,7 +147,8 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     critic_init = None
     if plan.values:
         critic_init = critic or reward_model or policy
-        verify(critic_init)
+        if critic is not None:  # the policy and the reward model are verified above
+            verify(critic)
         require_kind(critic_init, ("full", "reward"), "the critic's starting model")
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
     rows = load_rows(config.data, check_prompt_label_row(config.data))
@@ -292,35 +288,36 @@ class RLLoop:
                 result[i + j * len(self.engines)] = group
         return result
 
-    def rollout(self, step: int) -> tuple[Samples, list]:
+    def rollout(self, step: int) -> Samples:
         """The step's prompts, ``n_samples_per_prompt`` samples each (with vLLM's log-probs when the plan
         compares them with the learners' old ones)."""
         ro = self.cfg.rollout
         idx = self.schedule.global_batch(step)
         groups = self.generate([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature,
                                self.cfg.seed * 100_003 + step, logprobs=self.plan.rollout_logp)
-        return Samples.of(list(idx), groups, self.tok.pad_token_id, self.plan.rollout_logp), groups
+        return Samples.of(list(idx), groups, self.tok.pad_token_id, self.plan.rollout_logp)
 
-    def rewards(self, rows: list[dict], groups) -> dict[str, Any]:
-        """The reward source's answer for every sample of ``groups`` (one group per row, in order)."""
+    def rewards(self, rows: list[dict], samples: Samples) -> dict[str, Any]:
+        """The reward source's answer for every sample (consecutive groups, one per row, in order)."""
         if self.reward_actor is not None:
             import ray
 
             from stages.rl.rewards import check_result
 
-            seqs = [c.prompt_ids + c.token_ids for group in groups for c in group]
+            seqs = [p + r for p, r in zip(samples.prompt_ids, samples.response_ids, strict=True)]
             return check_result({"rewards": ray.get(self.reward_actor.score.remote(seqs))}, len(seqs), "reward model")
+        per = len(samples.prompt_ids) // len(rows)
         queries, prompts, labels = [], [], []
-        for row, group in zip(rows, groups):
-            prompt_text = self.tok.decode(group[0].prompt_ids)
-            for c in group:
-                queries.append(prompt_text + self.tok.decode(c.token_ids, skip_special_tokens=True))
-                prompts.append(prompt_text)
-                labels.append(row[self.cfg.data.label_key])
+        for k, (p, r) in enumerate(zip(samples.prompt_ids, samples.response_ids, strict=True)):
+            if k % per == 0:  # a group's samples share their prompt
+                prompt_text = self.tok.decode(p)
+            queries.append(prompt_text + self.tok.decode(r, skip_special_tokens=True))
+            prompts.append(prompt_text)
+            labels.append(rows[k // per][self.cfg.data.label_key])
         return self.reward_fn(queries, prompts, labels)
 
-    def score(self, samples: Samples, groups) -> Scores:
-        return Scores.of(self.rewards([self.rows[i] for i in samples.prompt_index], groups))
+    def score(self, samples: Samples) -> Scores:
+        return Scores.of(self.rewards([self.rows[i] for i in samples.prompt_index], samples))
 
     def _shards(self, batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
         size = batch["input_ids"].shape[0] // n
@@ -414,7 +411,8 @@ class RLLoop:
         if not self.eval_rows:
             return {}
         groups = self.generate([self._render(r) for r in self.eval_rows], 1, 0.0, self.cfg.seed)
-        scores = self.rewards(self.eval_rows, groups)["scores"]
+        samples = Samples.of(list(range(len(self.eval_rows))), groups, self.tok.pad_token_id, with_logp=False)
+        scores = self.rewards(self.eval_rows, samples)["scores"]
         return {"eval_accuracy" if self.reward_actor is None else "eval_reward": scores.mean().item()}
 
     def save_state(self, step: int, probe: dict[str, torch.Tensor]) -> None:
@@ -474,10 +472,10 @@ class RLLoop:
         n_samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
         for step in tqdm(range(start, cfg.max_steps), desc="rl", disable=not cfg.train.progress_bar):
             t, t0 = {}, time.perf_counter()
-            samples, groups = self.rollout(step)
+            samples = self.rollout(step)
             t["generate_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            scored = self.score(samples, groups)
+            scored = self.score(samples)
             t["reward_s"] = time.perf_counter() - t1
             if cfg.log_rollouts_every and step % cfg.log_rollouts_every == 0:
                 self.log_rollouts(step + 1, samples, scored)
@@ -492,7 +490,7 @@ class RLLoop:
             m = self.update(exp, step)
             t["train_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
-            sync_mean, sync_max = self.sync(probe) if "policy_frozen" not in m else (0.0, 0.0)
+            sync_mean, sync_max = (0.0, 0.0) if self.policy_frozen(step) else self.sync(probe)  # frozen: nothing to push
             t["sync_s"] = time.perf_counter() - t1
             mask = samples.response_mask.float()
             kl_sum = m.pop("kl_sum", 0.0)

@@ -179,13 +179,15 @@ class TrainBatch:
     old_values: torch.Tensor | None  # plan.values
     normaliser: float  # the loss aggregation's divisor over the whole optimizer step (all ranks)
 
+    def _map(self, fn) -> TrainBatch:
+        """The same batch with ``fn`` applied to every tensor field (the None ones stay None)."""
+        return replace(self, **{f.name: fn(v) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)})
+
     def rows(self, start: int, stop: int) -> TrainBatch:
-        return replace(self, **{f.name: getattr(self, f.name)[start:stop] for f in fields(self)
-                               if isinstance(getattr(self, f.name), torch.Tensor)})
+        return self._map(lambda t: t[start:stop])
 
     def to(self, device: torch.device) -> TrainBatch:
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                               if isinstance(getattr(self, f.name), torch.Tensor)})
+        return self._map(lambda t: t.to(device))
 
     @property
     def size(self) -> int:

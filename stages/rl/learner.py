@@ -124,15 +124,14 @@ class Learner(Rank):
             self.ref, self._ref_keep = build_reference_engine(policy_path, self.cfg.train)
         return True
 
-    def _forward_logps(self, module, batch: dict[str, torch.Tensor] | TrainBatch, with_entropy: bool = False,
+    def _forward_logps(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False,
                        temperature: float | None = None):
         """Token log-probs (and the entropy) of the policy sampled from: logits divided by the rollout
         temperature (``temperature=1.0``: the raw model, as vLLM's prompt log-probs on the probe)."""
         from stages.common.trainer import device
 
-        ids, attn = (batch.input_ids, batch.attention_mask) if isinstance(batch, TrainBatch) else (batch["input_ids"], batch["attention_mask"])
-        ids = ids.to(device())
-        out = module(input_ids=ids, attention_mask=attn.to(device()), use_cache=False)
+        ids = input_ids.to(device())
+        out = module(input_ids=ids, attention_mask=attention_mask.to(device()), use_cache=False)
         t = self.cfg.rollout.temperature if temperature is None else temperature
         logits = out.logits if t == 1.0 else out.logits / t
         logp = token_logps(logits, ids)
@@ -152,11 +151,11 @@ class Learner(Rank):
         self.eng.engine.eval()
         with torch.no_grad():
             for i in range(0, batch["input_ids"].shape[0], micro):
-                part = {k: v[i : i + micro] for k, v in batch.items()}
+                ids, attn = batch["input_ids"][i : i + micro], batch["attention_mask"][i : i + micro]
                 if policy:
-                    out["logp"].append(self._forward_logps(self.eng.engine, part, temperature=temperature).float().cpu())
+                    out["logp"].append(self._forward_logps(self.eng.engine, ids, attn, temperature=temperature).float().cpu())
                 if reference and self.ref is not None:
-                    out["ref_logp"].append(self._forward_logps(self.ref, part, temperature=temperature).float().cpu())
+                    out["ref_logp"].append(self._forward_logps(self.ref, ids, attn, temperature=temperature).float().cpu())
         self.eng.engine.train()
         return {k: torch.cat(v) for k, v in out.items() if v}
 
@@ -169,7 +168,7 @@ class Learner(Rank):
         def micro_loss(part: TrainBatch):
             mask = part.response_mask.float()
             keep = mask.bool()
-            logp, entropy = self._forward_logps(self.eng.engine, part, with_entropy=True)
+            logp, entropy = self._forward_logps(self.eng.engine, part.input_ids, part.attention_mask, with_entropy=True)
             # on-policy (one update per rollout): the behaviour policy is the current one
             old_logp = part.old_logp if plan.old_logp else logp.detach()
             inp = PolicyLossInput(logp, old_logp, part.advantages, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
