@@ -9,7 +9,6 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # the flow's ephemeral Prefect server can take longer than the default 20 s to start on a busy 2-core machine
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
-export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE ?= 1
 # Prefect's database and cached task results live in the project (make run: ephemeral server, SQLite)

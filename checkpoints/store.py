@@ -5,14 +5,21 @@ which records the stage that made it, its kind (``full``, ``adapter``, ``reward`
 checkpoint, the hash of the config that produced it and the sha256 of every file. A
 :class:`CheckpointRef` is the small, serialisable handle stages pass to each other.
 
-Saving is atomic: files are written into a hidden staging sibling (``.NAME.partial-XXXX``), fsynced,
-the manifest is written last, and only then is the folder renamed to its final name. A crash at any
-point leaves no folder under the final name, so a folder that exists and has a manifest is complete.
-Loading verifies every file against the manifest before anything reads it.
+Saving is atomic: files are written into a hidden staging sibling (``.NAME.partial-PID-XXXX``),
+fsynced, the manifest is written last, and only then is the folder renamed to its final name. A crash
+at any point leaves no folder under the final name, so a folder that exists and has a manifest is
+complete. Replacing an existing checkpoint swaps the two folders in one ``renameat2(RENAME_EXCHANGE)``
+call, so the name always holds the old or the new checkpoint, never neither; where the file system
+cannot exchange, the old folder is moved aside and put back by the next reader or writer if a crash
+came between the two renames. Staging and moved-aside folders whose writer is gone are removed at the
+next save under the same parent. Loading verifies every file against the manifest before anything
+reads it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import os
 import shutil
@@ -139,22 +146,94 @@ def _listing(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def _writer_alive(folder: Path) -> bool:
+    """Whether the process named in a staging folder's name (``.NAME.partial-PID-XXXX``) still runs."""
+    try:
+        pid = int(folder.name.rsplit("-", 2)[-2])
+    except (ValueError, IndexError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover(dest: str | Path, clean: bool = True) -> None:
+    """Undo what a crash during a save left beside ``dest``: put a moved-aside checkpoint back if the name
+    is empty, and (``clean``) remove staging and moved-aside folders whose writer no longer runs."""
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        return
+    aside = sorted(dest.parent.glob(f".{dest.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if not dest.exists():
+        for old in reversed(aside):
+            if not _writer_alive(old) and (old / MANIFEST).is_file():
+                os.rename(old, dest)
+                _fsync_dir(dest.parent)
+                break
+    if not clean:
+        return
+    for stale in [*dest.parent.glob(f".{dest.name}.partial-*"), *dest.parent.glob(f".{dest.name}.old-*")]:
+        if stale.exists() and not _writer_alive(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextmanager
 def staging(dest: str | Path) -> Iterator[Path]:
     """Yield an empty hidden sibling of ``dest`` to write a checkpoint into.
 
     Use with :func:`commit`. If the body raises, the staging folder is removed; if the process
-    dies, the leftover staging folder has no manifest and a name no reader looks up.
+    dies, the leftover staging folder has no manifest and a name no reader looks up (the next
+    save under the same name removes it).
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+    recover(dest)
+    tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def _replace_folder(tmp: Path, dest: Path) -> None:
+    """Put ``tmp`` under ``dest``; an existing ``dest`` stays loadable until the new folder is in place."""
+    if not dest.exists():
+        os.rename(tmp, dest)
+    elif _exchange(tmp, dest):
+        _fsync_dir(dest.parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old checkpoint
+    else:
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(dest, old)  # a crash here: recover() (in every reader and writer) moves it back
+        os.rename(tmp, dest)
+        _fsync_dir(dest.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(dest.parent)
 
 
 def commit(
@@ -170,8 +249,8 @@ def commit(
 ) -> CheckpointRef:
     """Digest, fsync and manifest the files in ``tmp``, then rename it to ``dest`` atomically.
 
-    An existing ``dest`` is replaced only after the new folder is complete (the old one is moved
-    aside first and removed after the rename), so a reader never sees a half-written checkpoint.
+    An existing ``dest`` is replaced only after the new folder is complete, in one atomic exchange
+    where the file system has it: a reader never sees a half-written checkpoint, nor an empty name.
     """
     tmp, dest = Path(tmp), Path(dest)
     files: dict[str, str] = {}
@@ -206,14 +285,7 @@ def commit(
         os.fsync(f.fileno())
     for d in {tmp, *(p.parent for p in _listing(tmp))}:
         _fsync_dir(d)
-    old = None
-    if dest.exists():
-        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(dest, old)
-    os.rename(tmp, dest)
-    _fsync_dir(dest.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    _replace_folder(tmp, dest)
     return CheckpointRef(
         path=str(dest.resolve()),
         stage=stage,
@@ -227,6 +299,8 @@ def commit(
 
 def read_manifest(path: str | Path) -> Manifest:
     path = Path(path)
+    if not path.exists():
+        recover(path, clean=False)  # a replace interrupted between its two renames (no exchange on this file system)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no checkpoint folder there")
     mpath = path / MANIFEST

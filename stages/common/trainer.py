@@ -27,14 +27,43 @@ from stages.common.progress import report_progress
 STATE_DIR = "state"
 
 
-def init_distributed() -> None:
-    import deepspeed
+_LISTENERS: list = []  # rank 0's bound rendezvous socket, kept open for the store's lifetime
 
-    if torch.cuda.is_available():
+
+def init_distributed() -> None:
+    """Join the group described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (gloo on CPU, NCCL on GPU).
+
+    Rank 0's rendezvous store listens on MASTER_ADDR only (torch's own store binds every interface): the
+    socket is bound here and handed to ``TCPStore``. With a loopback MASTER_ADDR the collectives' own
+    sockets stay on loopback too (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME=lo`` unless set).
+    """
+    import socket
+    from datetime import timedelta
+
+    import deepspeed
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        deepspeed.init_distributed(dist_backend="nccl")
-    else:
-        deepspeed.init_distributed(dist_backend="gloo")
+    if not dist.is_initialized():
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if host in ("127.0.0.1", "localhost", "::1"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        timeout = timedelta(seconds=float(os.environ.get("RLHF_RENDEZVOUS_TIMEOUT_S", "600")))
+        if rank == 0:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.create_server((host, port), family=family, backlog=max(128, world_size))
+            _LISTENERS.append(listener)
+            store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                                  master_listen_fd=listener.fileno())
+        else:
+            store = dist.TCPStore(host, port, world_size, False, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 def device() -> torch.device:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import urllib.parse
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -15,6 +17,27 @@ from stages.rl.algorithms import (
     NEEDS_CRITIC,
     POLICY_LOSSES,
 )
+
+
+def endpoint_name(url: str) -> str:
+    """``url`` as errors and logs may show it: scheme, host, port and path; no user, password or query."""
+    u = urllib.parse.urlsplit(url)
+    host = u.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = f":{u.port}" if u.port else ""
+    return f"{u.scheme}://{host}{port}{u.path or '/'}" + ("?..." if u.query else "")
+
+
+def check_endpoint(url: str, timeout_s: float, retries: int) -> None:
+    """What an HTTP reward source needs, checked before any work (raises ValueError naming the field)."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"reward.url: {endpoint_name(url)!r} must be an http:// or https:// URL with a host")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"reward.timeout_s: {timeout_s} must be a positive number of seconds (the deadline of one call, retries included)")
+    if retries < 0:
+        raise ValueError(f"reward.retries: {retries} must be >= 0")
 
 
 class RolloutConfig(BaseModel):
@@ -91,8 +114,13 @@ class RewardSourceConfig(BaseModel):
     func: str | None = None
     url: str | None = None
     model: str | None = None  # from the CLI; flows pass the reward model's reference
-    timeout_s: float = 30.0
-    retries: int = 3
+    timeout_s: float = 30.0  # the deadline of one reward call: connect, send, read and every retry
+    retries: int = 3  # more attempts after a transport error, 5xx, 408 or 429 (never after another 4xx)
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardSourceConfig:
+        check_endpoint(self.url or "http://unset", self.timeout_s, self.retries)
+        return self
 
 
 class CriticConfig(BaseModel):

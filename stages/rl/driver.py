@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -80,13 +82,34 @@ def _env() -> dict[str, str]:
     return env
 
 
+_PRIVATE_CLUSTER_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+
+
+def private_cluster_env() -> None:
+    """Settings of a private cluster, before Ray starts: token authentication with a fresh token (in this
+    process's environment only, inherited by Ray's processes and never written or logged), and every
+    Ray server bound to 127.0.0.1 (Ray's single-machine mode: the node address is loopback, so the GCS,
+    raylet, object manager, agents and workers listen there and nowhere else)."""
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    if "ray" in sys.modules:  # imported earlier in this process: Ray caches both settings at import
+        from ray._private import ray_constants
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+
 @contextmanager
 def ray_cluster(cfg: RLConfig):
     """A private local Ray cluster for this task (or the one at ``ray.address``); always shut down."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    saved = {k: os.environ.get(k) for k in _PRIVATE_CLUSTER_ENV}
+    if not cfg.ray.address:
+        private_cluster_env()
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     tmp = None
     # SIGTERM (a killed task, a stopped worker) must unwind through the shutdown below like Ctrl-C does
     previous = None
@@ -119,6 +142,11 @@ def ray_cluster(cfg: RLConfig):
         psutil.wait_procs(alive, timeout=5)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        for k, v in saved.items():  # the token dies with its cluster
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

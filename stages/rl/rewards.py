@@ -9,17 +9,21 @@ values stops the step with an error naming the source.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import importlib.util
 import json
 import math
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from stages.rl.config import check_endpoint, endpoint_name
 
 
 class RewardError(RuntimeError):
@@ -80,30 +84,101 @@ class FuncReward:
         return check_result(result, len(queries), self.source)
 
 
+class _Deadline(Exception):
+    pass
+
+
 class HttpReward:
-    """POST ``{"queries", "prompts", "labels"}`` as JSON; the answer is the same dict as a reward_func's."""
+    """POST ``{"queries", "prompts", "labels"}`` as JSON; the answer is the same dict as a reward_func's.
+
+    ``timeout_s`` is the deadline of the whole call: connecting, sending, reading (however slowly the
+    server drips its answer) and every retry. 5xx answers, 408/429 and transport errors are retried (with
+    a short backoff, within the deadline); other 4xx answers are final. A user and password in the URL are
+    sent as HTTP Basic auth; errors name the endpoint without them or the query string.
+    """
 
     def __init__(self, url: str, timeout_s: float, retries: int):
+        check_endpoint(url, timeout_s, retries)
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
-        self.source = f"reward endpoint {url}"
+        self.source = f"reward endpoint {endpoint_name(url)}"
+
+    def _post(self, body: bytes, deadline: float) -> tuple[int, str, bytes]:
+        import http.client
+
+        u = urllib.parse.urlsplit(self.url)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Deadline
+        conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(u.hostname, u.port, timeout=left)
+        headers = {"Content-Type": "application/json"}
+        if u.username is not None:
+            cred = f"{urllib.parse.unquote(u.username)}:{urllib.parse.unquote(u.password or '')}"
+            headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
+        watchdog = None
+        try:
+            conn.connect()  # bounded by the socket timeout (what is left of the deadline)
+            # the socket timeout bounds each read; the watchdog bounds the call (a slow drip resets no clock).
+            # It holds the socket itself: http.client drops conn.sock once a closing response has begun
+            sock = conn.sock
+            watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), _shutdown, args=(sock,))
+            watchdog.daemon = True
+            watchdog.start()
+            conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            return resp.status, resp.reason, data
+        except (OSError, http.client.HTTPException) as e:
+            if time.monotonic() >= deadline:
+                raise _Deadline from e
+            raise
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            conn.close()
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, Any]:
+        import http.client
+
         body = json.dumps({"queries": queries, "prompts": prompts, "labels": labels}).encode()
+        deadline = time.monotonic() + self.timeout_s
         errors = []
         for attempt in range(self.retries + 1):
             try:
-                req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    result = json.loads(resp.read())
-                return check_result(result, len(queries), self.source)
-            except RewardError:
-                raise
-            except (urllib.error.URLError, TimeoutError, OSError, json.JSONDecodeError) as e:
-                what = f"HTTP {e.code} {e.reason}" if isinstance(e, urllib.error.HTTPError) else f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-                errors.append(f"attempt {attempt + 1}: {what}")
-                if attempt < self.retries:
-                    time.sleep(min(0.2 * 2**attempt, 2.0))
-        raise RewardError(f"{self.source}: failed {self.retries + 1} times ({'; '.join(errors)})")
+                status, reason, data = self._post(body, deadline)
+            except _Deadline:
+                errors.append(f"attempt {attempt + 1}: cut off at the deadline")
+                break
+            except (OSError, http.client.HTTPException) as e:
+                errors.append(f"attempt {attempt + 1}: {type(e).__name__}: {e}")
+            else:
+                if 200 <= status < 300:
+                    try:
+                        result = json.loads(data.decode("utf-8"))
+                    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                        raise RewardError(f"{self.source}: HTTP {status} but the body is not UTF-8 JSON "
+                                          f"({type(e).__name__}: {e}; first bytes {data[:60]!r})") from e
+                    return check_result(result, len(queries), self.source)
+                if 400 <= status < 500 and status not in (408, 429):
+                    raise RewardError(f"{self.source}: HTTP {status} {reason} (a client error: not retried)")
+                errors.append(f"attempt {attempt + 1}: HTTP {status} {reason}")
+            if attempt == self.retries:
+                break
+            pause = min(0.2 * 2**attempt, 2.0)
+            if time.monotonic() + pause >= deadline:
+                errors.append("no time left for another attempt")
+                break
+            time.sleep(pause)
+        tried = sum(e.startswith("attempt") for e in errors)
+        raise RewardError(f"{self.source}: no answer after {tried} attempt(s) within the {self.timeout_s:g} s deadline "
+                          f"(reward.timeout_s; retries {self.retries}): {'; '.join(errors)}")
+
+
+def _shutdown(sock) -> None:
+    import socket
+
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class RewardModelScorer:

@@ -98,14 +98,72 @@ def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files
     assert ray_processes() == []
 
 
-def test_toy_reward_rises_within_a_few_steps(task_files, sft_policy, tmp_path):
-    """Reward 1 for answers starting with the digit 1: a tiny model learns it in a handful of steps."""
+class _Listeners:
+    """While an RL run goes on in this process: every listening socket of this process and its descendants
+    (Ray's GCS, raylet, agents, workers; the learners' rendezvous; vLLM), and one connection attempt
+    to the cluster's GCS without the cluster's token."""
+
+    def __init__(self):
+        import threading
+
+        self.seen: set[tuple[str, str, int]] = set()
+        self.refused: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self):
+        import os
+        import subprocess
+        import sys
+
+        me = psutil.Process()
+        while not self._stop.wait(0.3):
+            gcs = None
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    name = proc.name()
+                    for c in proc.net_connections(kind="inet"):
+                        if c.status == psutil.CONN_LISTEN:
+                            self.seen.add((name, c.laddr.ip, c.laddr.port))
+                            if name == "gcs_server":
+                                gcs = c.laddr
+                except psutil.Error:
+                    continue
+            if gcs is not None and self.refused is None:
+                env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+                addr = f"127.0.0.1:{gcs.port}"
+                r = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={addr!r}); print('CONNECTED')"],
+                                   env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=120)
+                self.refused = "CONNECTED" if "CONNECTED" in r.stdout else r.stderr
+
+
+def test_toy_reward_rises_within_a_few_steps_on_a_loopback_cluster_with_auth(task_files, sft_policy, tmp_path):
+    """Reward 1 for answers starting with the digit 1: a tiny model learns it in a handful of steps. Meanwhile
+    every listener of the run is on loopback, and a client without the cluster's token is refused."""
+    import ipaddress
+
     cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=8, train__world_size=1, train__zero_stage=2,
                   rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
                   train__lr=3e-3, algo__advantage_estimator="reinforce_baseline")
-    steps = _metrics(run_rl(cfg, sft_policy))
+    with _Listeners() as listeners:
+        steps = _metrics(run_rl(cfg, sft_policy))
     first, last = sum(s["reward_mean"] for s in steps[:2]) / 2, sum(s["reward_mean"] for s in steps[-2:]) / 2
     assert last > first + 0.25, [round(s["reward_mean"], 3) for s in steps]
+    names = {n for n, _, _ in listeners.seen}
+    assert {"gcs_server", "raylet"} <= names, names
+    open_to_network = [(n, ip, port) for n, ip, port in listeners.seen
+                       if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback]
+    assert open_to_network == [], open_to_network
+    assert listeners.refused is not None and "InvalidAuthToken" in listeners.refused, listeners.refused
+    assert "RAY_AUTH_TOKEN" not in __import__("os").environ  # the token went with the cluster
 
 
 def test_a_push_that_changes_nothing_is_caught_and_ray_is_cleaned_up(task_files, sft_policy, tmp_path, monkeypatch):

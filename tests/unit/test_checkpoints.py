@@ -107,6 +107,67 @@ def test_killed_save_leaves_no_complete_looking_folder(tmp_path):
         verify(leftovers[0])
 
 
+_REPLACE_SCRIPT = """
+import os, shutil, signal, sys, json
+sys.path.insert(0, {root!r})
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+import checkpoints.store as store
+point, exchange = sys.argv[1], sys.argv[2] == "1"
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+real_rename, real_rmtree, real_exchange = os.rename, shutil.rmtree, store._exchange
+if not exchange:  # a file system without RENAME_EXCHANGE: the two-rename path
+    store._exchange = lambda a, b: False
+renames = []
+def rename(a, b):
+    renames.append((a, b))
+    if point == "after_move_aside" and ".old-" in str(b):
+        real_rename(a, b); die()
+    real_rename(a, b)
+os.rename = rename
+def exchange_then_die(a, b):
+    ok = real_exchange(a, b)
+    if point == "after_exchange":
+        die()
+    return ok
+if exchange:
+    store._exchange = exchange_then_die
+def rmtree(p, *a, **k):
+    if point == "before_cleanup":
+        die()
+    real_rmtree(p, *a, **k)
+store.shutil.rmtree = rmtree
+dest = Path({dest!r})
+with store.staging(dest) as tmp:
+    save_file({{"w": torch.full((4,), 2.0)}}, str(tmp / "model.safetensors"))
+    if point == "before_commit":
+        die()
+    store.commit(tmp, dest, stage="new", kind="full", config_hash="x")
+"""
+
+
+@pytest.mark.parametrize("point, exchange", [
+    ("before_commit", True), ("after_exchange", True), ("before_cleanup", True),  # renameat2(RENAME_EXCHANGE)
+    ("after_move_aside", False), ("before_cleanup", False),  # a file system without it: two renames
+])
+def test_killed_replace_leaves_a_loadable_checkpoint(tmp_path, point, exchange):
+    """SIGKILL at each step of replacing a checkpoint: the name holds the old or the new one, verified, and the
+    next save under that name removes what the killed one left."""
+    old = _save(tmp_path / "ck", {"w": torch.ones(4)}, stage="old")
+    script = _REPLACE_SCRIPT.format(root=str(ROOT), dest=str(tmp_path / "ck"))
+    proc = subprocess.run([sys.executable, "-c", script, point, "1" if exchange else "0"], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ref = load_ref(tmp_path / "ck")  # verifies every file (and puts a moved-aside folder back)
+    w = load_file(str(Path(ref.path) / "model.safetensors"))["w"]
+    expect_new = point in ("after_exchange", "before_cleanup")
+    assert ref.stage == ("new" if expect_new else "old") and w.tolist() == ([2.0] * 4 if expect_new else [1.0] * 4)
+    if not expect_new:
+        assert ref == old
+    _save(tmp_path / "ck", {"w": torch.zeros(4)}, stage="third")
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"] and load_ref(tmp_path / "ck").stage == "third"
+
+
 def test_pickles_are_never_committed(tmp_path):
     with pytest.raises(CheckpointError, match="pytorch_model.bin: pickle-format file"):
         with staging(tmp_path / "ck") as tmp:

@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -45,13 +46,33 @@ def test_bad_reward_func_results_name_the_source(tmp_path, body, message):
 class _Handler(BaseHTTPRequestHandler):
     calls = 0
     mode = "ok"
+    auth = None
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         type(self).calls += 1
+        type(self).auth = self.headers.get("Authorization")
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.mode == "fail":
-            self.send_response(500)
+        if self.mode in ("fail", "bad_request"):
+            self.send_response(500 if self.mode == "fail" else 400)
             self.end_headers()
+            return
+        if self.mode == "drip":  # headers at once, then one byte every 0.5 s: each read is quick, the call is not
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(100):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.5)
+            return
+        if self.mode == "garbage":  # not an HTTP status line
+            self.wfile.write(b"HELLO\r\n\r\n")
+            return
+        if self.mode == "latin1":
+            self.send_response(200)
+            self.send_header("Content-Length", "3")
+            self.end_headers()
+            self.wfile.write(b"\xff\xfe{")
             return
         if self.mode == "flaky" and type(self).calls == 1:
             self.send_response(503)
@@ -94,12 +115,64 @@ def test_http_reward_gives_up_naming_the_url(server):
     httpd, url = server
     _Handler.mode = "fail"
     _Handler.calls = 0
-    with pytest.raises(RewardError, match=f"reward endpoint {url}: failed 3 times .*HTTP 500"):
+    with pytest.raises(RewardError, match=f"reward endpoint {url}: no answer after 3 attempt.*HTTP 500"):
         HttpReward(url, timeout_s=5, retries=2)(["a"], [""], [0])
     assert _Handler.calls == 3
     dead = "http://127.0.0.1:9/reward"  # nothing listens on the discard port
-    with pytest.raises(RewardError, match="reward endpoint http://127.0.0.1:9/reward: failed 2 times"):
+    with pytest.raises(RewardError, match="reward endpoint http://127.0.0.1:9/reward: no answer after 2 attempt"):
         HttpReward(dead, timeout_s=1, retries=1)(["a"], [""], [0])
+
+
+def test_http_reward_deadline_bounds_the_whole_call(server):
+    """A server dripping one byte every 0.5 s never trips a per-read timeout; the call's deadline still holds."""
+    httpd, url = server
+    _Handler.mode = "drip"
+    t = time.monotonic()
+    with pytest.raises(RewardError, match=f"reward endpoint {url}: .*within the 2 s deadline.*cut off at the deadline"):
+        HttpReward(url, timeout_s=2, retries=3)(["a"], [""], [0])
+    assert time.monotonic() - t < 3.0
+
+
+@pytest.mark.parametrize("mode, message, calls", [
+    ("bad_request", "HTTP 400 Bad Request \\(a client error: not retried\\)", 1),
+    ("garbage", "BadStatusLine", 3),
+    ("latin1", "not UTF-8 JSON .*UnicodeDecodeError", 1),
+])
+def test_http_reward_protocol_errors_name_the_endpoint(server, mode, message, calls):
+    httpd, url = server
+    _Handler.mode, _Handler.calls = mode, 0
+    with pytest.raises(RewardError, match=f"reward endpoint {url}: .*{message}"):
+        HttpReward(url, timeout_s=5, retries=2)(["a"], [""], [0])
+    assert _Handler.calls == calls  # a 4xx or an unreadable 2xx body is final; a broken status line is retried
+
+
+def test_http_reward_credentials_are_sent_not_shown(server):
+    httpd, url = server
+    _Handler.mode = "fail"
+    secret = url.replace("http://", "http://user:s3cret@") + "?token=abc123"
+    with pytest.raises(RewardError) as err:
+        HttpReward(secret, timeout_s=5, retries=0)(["a"], [""], [0])
+    assert "s3cret" not in str(err.value) and "abc123" not in str(err.value) and url in str(err.value)
+    assert _Handler.auth == "Basic dXNlcjpzM2NyZXQ="  # base64("user:s3cret")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("url", "file:///etc/passwd", "must be an http:// or https:// URL"),
+    ("url", "http://", "with a host"),
+    ("timeout_s", 0, "timeout_s: 0(.0)? must be a positive"),
+    ("timeout_s", -1, "timeout_s: -1(.0)? must be a positive"),
+    ("retries", -1, "retries: -1 must be >= 0"),
+])
+def test_http_reward_settings_are_checked_in_the_config(field, value, message):
+    from pydantic import ValidationError
+
+    from stages.rl.config import RewardSourceConfig
+
+    cfg = {"url": "http://127.0.0.1:1/r", field: value}
+    with pytest.raises(ValidationError, match=message):
+        RewardSourceConfig(**cfg)
+    with pytest.raises(ValueError, match=message):
+        HttpReward(cfg["url"], cfg.get("timeout_s", 1), cfg.get("retries", 0))
 
 
 def test_sampling_settings_that_cannot_be_trained_on_are_refused_by_name():
