@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -29,7 +29,7 @@ class DataConfig(BaseModel):
     paths: list[str]
     dataset_probs: list[float] | None = None
     split: str = "train"
-    max_samples: int | None = None
+    max_samples: int | None = Field(None, ge=1)
     # Field names in the rows (OpenRLHF's --input_key etc.). For SFT, `input_key` may hold a list of
     # chat messages (multi-turn; loss on assistant turns only) and `output_key` may then be null.
     input_key: str = "input"
@@ -42,7 +42,7 @@ class DataConfig(BaseModel):
     apply_chat_template: bool = True
     # Used instead of the chat template when apply_chat_template is false, e.g. "User: {}\nAssistant: ".
     input_template: str | None = None
-    max_len: int = 512
+    max_len: int = Field(512, ge=2)
     overflow: Literal["truncate", "drop"] = "drop"
     packing: bool = False
     pretrain_mode: bool = False

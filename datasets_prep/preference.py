@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from datasets_prep.loading import DataConfig, DataError, load_rows, require_text
-from datasets_prep.sft import PrepReport, render_prompt, render_response
+from datasets_prep.sft import PrepReport, char_bound, render_prompt, render_response, text_chars
 
 
 @dataclass
@@ -74,8 +74,16 @@ def prepare_pairs(config: DataConfig, tokenizer) -> tuple[list[PairExample], Pre
     """Load, validate and tokenize preference rows; apply the length policy to the longer side."""
     rows = load_rows(config, check_pair_row(config))
     report = PrepReport(rows=len(rows))
+    bound = char_bound(tokenizer, config.max_len)
     pairs = []
     for row in rows:
+        # the prompt with the longer response is what must fit: a row beyond the character bound cannot
+        if text_chars(row[config.prompt_key]) + max(len(row[config.chosen_key]), len(row[config.rejected_key])) > bound:
+            if config.overflow == "drop" or text_chars(row[config.prompt_key]) > bound:
+                report.dropped += 1
+                continue
+            report.clipped += 1
+            row = {**row, config.chosen_key: row[config.chosen_key][:bound], config.rejected_key: row[config.rejected_key][:bound]}
         p = tokenize_pair(row, tokenizer, config)
         longest = len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
         if longest > config.max_len:

@@ -10,7 +10,10 @@ A row becomes ``Example(input_ids, loss_mask)``. Three row shapes, chosen by the
   the conversation up to and including it and the conversation before it;
 - pretrain mode: ``input_key`` text, every token in the loss.
 
-Sequences longer than ``max_len`` are truncated or dropped (``overflow``) and counted in the report.
+Sequences longer than ``max_len`` are truncated or dropped (``overflow``) and counted in the report. A row
+whose text is longer than :func:`char_bound` characters cannot fit in ``max_len`` tokens whatever the
+tokenizer does; it is dropped, or its text clipped to the bound, before it is rendered or tokenized (a
+10 MB row costs no more than a short one).
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ class PrepReport:
     kept: int = 0
     truncated: int = 0
     dropped: int = 0
+    clipped: int = 0  # rows whose text was cut to the character bound before tokenizing (then truncated as usual)
     loss_tokens: int = 0
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        text = f"{self.rows} rows -> {self.kept} examples ({self.truncated} truncated, {self.dropped} dropped over max_len)"
+        text = f"{self.rows} rows -> {self.kept} examples ({self.truncated} truncated, {self.dropped} dropped over max_len"
+        text += f"; {self.clipped} clipped to the character bound first)" if self.clipped else ")"
         return text + (f", {self.loss_tokens} loss tokens" if self.loss_tokens else "")
 
 
@@ -58,6 +63,48 @@ def check_sft_row(config: DataConfig):
         require_text(row, config.output_key, where, "output_key")
 
     return check
+
+
+def char_bound(tokenizer, max_len: int) -> int:
+    """Characters beyond which a text cannot fit in ``max_len`` tokens: no token spells more characters than
+    the longest string in the vocabulary (byte-level vocabularies spell a token with one symbol per byte)."""
+    key = (id(tokenizer), max_len)
+    if key not in _BOUNDS:
+        _BOUNDS[key] = max_len * max(len(t) for t in tokenizer.get_vocab())
+    return _BOUNDS[key]
+
+
+_BOUNDS: dict[tuple[int, int], int] = {}
+
+
+def text_chars(value) -> int:
+    """Characters of a text field (a string, or a list of chat messages)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(m.get("content") or "") for m in value if isinstance(m, dict))
+    return 0
+
+
+def clip_text(value, bound: int):
+    """The first ``bound`` characters of a text field (of each message's content for a message list)."""
+    if isinstance(value, str):
+        return value[:bound]
+    if isinstance(value, list):
+        return [{**m, "content": (m.get("content") or "")[:bound]} for m in value]
+    return value
+
+
+def bound_row(row: dict, keys: list[str], bound: int, overflow: str, report: PrepReport) -> dict | None:
+    """``row`` as it may be tokenized: None (dropped, counted) or with its text clipped (counted) when its
+    fields ``keys`` hold more than ``bound`` characters; else unchanged."""
+    if sum(text_chars(row.get(k)) for k in keys) <= bound:
+        return row
+    if overflow == "drop":
+        report.dropped += 1
+        return None
+    report.clipped += 1
+    return {**row, **{k: clip_text(row[k], bound) for k in keys if k in row}}
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -151,8 +198,12 @@ def prepare_sft(config: DataConfig, tokenizer) -> tuple[list[Example], PrepRepor
     """Load, validate and tokenize SFT rows. Raises DataError before any training on bad input."""
     rows = load_rows(config, check_sft_row(config))
     report = PrepReport(rows=len(rows))
+    bound = char_bound(tokenizer, config.max_len)
+    keys = [k for k in (config.input_key, None if config.pretrain_mode else config.output_key) if k]
+    rows = [r for r in (bound_row(r, keys, bound, config.overflow, report) for r in rows) if r is not None]
     examples = [tokenize_sft_row(r, tokenizer, config) for r in rows]
     examples = apply_length_policy(examples, config.max_len, config.overflow, report)
+
     if not examples:
         raise DataError(f"{', '.join(config.paths)}: no example left after the length policy ({report.summary()})")
     report.kept = len(examples)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
@@ -51,9 +51,9 @@ class DPOConfig(BaseModel):
     reference: str | None = None  # from the CLI; None = a frozen copy of the starting policy
     data: DataConfig
     loss: Literal["dpo", "ipo", "cdpo"] = "dpo"
-    beta: float = 0.1
-    label_smoothing: float = 0.0  # cDPO's epsilon: the assumed rate of flipped preference labels
-    nll_loss_coef: float = 0.0
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # cDPO's epsilon: the assumed rate of flipped preference labels
+    nll_loss_coef: float = Field(0.0, ge=0)
     precompute_ref_logps: bool = False
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()

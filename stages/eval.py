@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
@@ -44,10 +44,10 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     data: DataConfig
-    max_new_tokens: int = 16
-    num_samples: int = 8  # sampled responses per prompt, for pass@k and the KL estimate (0: greedy only)
-    pass_k: int = 8
-    temperature: float = 1.0
+    max_new_tokens: int = Field(16, ge=1)
+    num_samples: int = Field(8, ge=0)  # sampled responses per prompt, for pass@k and the KL estimate (0: greedy only)
+    pass_k: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"  # vLLM's dtype (float32: exact log-probs for the KL)
     models: list[str] = []  # checkpoint folders, when run from the CLI
@@ -117,29 +117,29 @@ def run_eval(
     if reference is not None:
         verify(reference)
         require_kind(reference, ("full",), "the KL reference of the eval stage")
-    folder = run.prepare()
-    cfg = config.model_dump(mode="json")
-    generated = {}
-    for label, ref in models.items():
-        job = {"config": cfg, "model": ref.path, "rows": rows}
-        generated[label] = launch("stages.eval:generate_rank", job, 1, folder / f"generate-{ref.digest[:16]}")
-    scores = {}
-    if reward_model is not None or reference is not None:
-        job = {"config": cfg, "generated": generated,
-               "reward_model": reward_model.path if reward_model else None, "reference": reference.path if reference else None}
-        scores = launch("stages.eval:score_rank", job, 1, folder / "score")
-    metrics = {}
-    for label in models:
-        g, s = generated[label], scores.get(label, {})
-        metrics[label] = {
-            "accuracy": g["accuracy"],
-            "pass@k": g["pass_at_k"],
-            "response_length": g["response_length"],
-            "reward": s.get("reward"),
-            "kl_to_reference": s.get("kl_to_reference"),
-            "n": g["n"],
-        }
-    return write_report(folder, config, metrics)
+    with run.claimed() as folder:
+        cfg = config.model_dump(mode="json")
+        generated = {}
+        for label, ref in models.items():
+            job = {"config": cfg, "model": ref.path, "rows": rows}
+            generated[label] = launch("stages.eval:generate_rank", job, 1, folder / f"generate-{ref.digest[:16]}")
+        scores = {}
+        if reward_model is not None or reference is not None:
+            job = {"config": cfg, "generated": generated,
+                   "reward_model": reward_model.path if reward_model else None, "reference": reference.path if reference else None}
+            scores = launch("stages.eval:score_rank", job, 1, folder / "score")
+        metrics = {}
+        for label in models:
+            g, s = generated[label], scores.get(label, {})
+            metrics[label] = {
+                "accuracy": g["accuracy"],
+                "pass@k": g["pass_at_k"],
+                "response_length": g["response_length"],
+                "reward": s.get("reward"),
+                "kl_to_reference": s.get("kl_to_reference"),
+                "n": g["n"],
+            }
+        return write_report(folder, config, metrics)
 
 
 def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> EvalReport:

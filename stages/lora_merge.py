@@ -53,8 +53,8 @@ def run_lora_merge(config: LoraMergeConfig, adapter: CheckpointRef, base: Checkp
         )
     manifest = read_manifest(adapter.path)
     head = manifest.stage == "reward_model"
-    dest = run.prepare() / "checkpoint"
-    with staging(dest) as tmp:
+    with run.claimed() as folder, staging(folder / "checkpoint") as tmp:
+        dest = folder / "checkpoint"
         merge_to(adapter.path, base.path, tmp, reward=head, reward_stats=manifest.extra.get("reward_stats") or {})
         return commit(
             tmp, dest, stage=STAGE, kind="reward" if head else "full", config_hash=run.key, parent=adapter,

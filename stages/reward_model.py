@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
@@ -56,7 +56,7 @@ class RewardModelConfig(BaseModel):
     data: DataConfig
     eval_data: DataConfig | None = None
     loss: Literal["sigmoid", "logexp"] = "sigmoid"
-    eval_steps: int = 50
+    eval_steps: int = Field(50, ge=0)
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()
     output_root: str = "runs"

@@ -52,10 +52,10 @@ def run_tiny_model(config: TinyModelConfig, *, run: StageRun | None = None) -> C
     done = committed_checkpoint(run)
     if done is not None:
         return done
-    dest = run.prepare() / "checkpoint"
     tokenizer = build_tokenizer(config.vocab_size, config.seed)
     model = build_model(config, tokenizer)
-    with staging(dest) as tmp:
+    with run.claimed() as folder, staging(folder / "checkpoint") as tmp:
+        dest = folder / "checkpoint"
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp, safe_serialization=True)
         return commit(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TrainConfig(BaseModel):
@@ -22,15 +22,16 @@ class TrainConfig(BaseModel):
     lr: float = 1e-3
     lr_scheduler: Literal["cosine", "constant"] = "cosine"
     warmup_ratio: float = 0.05
-    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
-    weight_decay: float = 0.0
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine floor as a fraction of lr
+    weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.95)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = Field(1.0, gt=0)
     gradient_checkpointing: bool = False
     seed: int = 42
-    save_steps: int = 0  # in-stage checkpoint every N steps; 0 = none
+    save_steps: int = Field(0, ge=0)  # in-stage checkpoint every N steps; 0 = none
     resume: bool = False  # continue from the latest in-stage checkpoint of the same run
-    logging_steps: int = 1
+    keep_last: int = Field(1, ge=1)  # in-stage checkpoints kept (state/step<N>); older ones are removed once a newer one is committed
+    logging_steps: int = Field(1, ge=1)
     progress_bar: bool = True
 
     @model_validator(mode="after")
@@ -50,6 +51,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"warmup_ratio: {self.warmup_ratio} must be in [0, 1)")
         if self.lr <= 0:
             raise ValueError(f"lr: {self.lr} must be positive")
+        if not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"adam_betas: {list(self.adam_betas)} must each be in [0, 1)")
         return self
 
     @property
@@ -62,9 +65,9 @@ class LoraConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rank: int = 0
-    alpha: int = 16
-    dropout: float = 0.0
+    rank: int = Field(0, ge=0)
+    alpha: int = Field(16, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
 
     @property

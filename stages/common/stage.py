@@ -31,7 +31,8 @@ import json
 import modulefinder
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ REPORT = "report"  # eval's report; never an input
 # settings that change how a run is watched or continued, not what it computes
 NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps")
 IDENTITY_FILE = "identity.json"
+LOCK_FILE = ".lock"
 
 InputValue = CheckpointRef | Mapping[str, CheckpointRef] | None
 
@@ -177,6 +179,10 @@ class StageSpec:
                 else CheckpointRef.model_validate(v) for k, v in data.items()}
 
 
+class RunBusy(RuntimeError):
+    """Another process holds the run folder's lock."""
+
+
 class StageRun(BaseModel):
     """One run's identity (see the module docstring): its key names the run folder and the cache entry."""
 
@@ -205,10 +211,33 @@ class StageRun(BaseModel):
                 raise CheckpointError(f"{folder}: holds a run of identity {found!r}, not {self.key!r}; "
                                       "its state and checkpoint are not this run's (remove the folder or use another output_root)")
             return folder
-        tmp = folder / f".{IDENTITY_FILE}.tmp"
+        tmp = folder / f".{IDENTITY_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps({"key": self.key, "stage": self.stage, **self.parts}, indent=1, sort_keys=True))
         tmp.replace(path)
         return folder
+
+    @contextmanager
+    def claimed(self) -> Iterator[Path]:
+        """:meth:`prepare`, then hold the run folder's lock (``.lock``, an flock) for the block: a second
+        process writing the same run (two flows, a flow and a CLI run) is refused, naming the holder."""
+        import fcntl
+
+        folder = self.prepare()
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunBusy(f"{folder}: another process (pid {holder}) is writing this run; wait for it to end or stop it") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield folder
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 def _module_name(obj: Any) -> str:

@@ -44,11 +44,10 @@ def train_and_commit(
 ) -> CheckpointRef:
     """Launch ``stages.<stage>:train_rank`` on ``config.train.world_size`` ranks and commit its output
     into the run's folder (named by its identity; in-stage state and metrics live there too)."""
-    run_dir = run.prepare()
-    items_path = run_dir / "items.json"
-    items_path.write_text(json.dumps([dataclasses.asdict(it) for it in items]))
-    dest = run_dir / "checkpoint"
-    with staging(dest) as tmp:
+    with run.claimed() as run_dir, staging(run_dir / "checkpoint") as tmp:
+        dest = run_dir / "checkpoint"
+        items_path = run_dir / "items.json"
+        items_path.write_text(json.dumps([dataclasses.asdict(it) for it in items]))
         full_job = {
             "config": config.model_dump(mode="json"),
             "items_path": str(items_path),

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from checkpoints.state import commit_state, resumable_state, tag_of
 from datasets_prep.packing import BatchSchedule
 from stages.common.config import LoraConfig, TrainConfig
 from stages.common.progress import report_progress
@@ -142,6 +143,24 @@ def build_engine(model_path: str, train: TrainConfig, lora: LoraConfig, total_st
     return Engine(engine, ds_config, hf_ds, lora.enabled)
 
 
+def kept_metric_lines(path: Path) -> list[str]:
+    """The lines of a ``metrics.jsonl``; a torn last line (a kill mid-write) is dropped, a bad line
+    elsewhere is an error naming the file and the line."""
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    out = []
+    for i, ln in enumerate(lines):
+        try:
+            row = json.loads(ln)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                break  # torn by a kill mid-write: the step is redone after the resume
+            raise ValueError(f"{path}: line {i + 1} is not a metrics record ({e}): {ln[:80]!r}") from e
+        out.append(ln)
+    return out
+
+
 class MetricsWriter:
     """Rank 0 only: one JSON line per step, the same scalars to TensorBoard."""
 
@@ -153,8 +172,10 @@ class MetricsWriter:
 
         self.path = run_dir / "metrics.jsonl"
         if self.path.is_file():  # resuming: keep the steps that happened before the resume point
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            kept = [ln for ln in kept_metric_lines(self.path) if json.loads(ln)["step"] <= start_step]
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            tmp.replace(self.path)
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
@@ -182,9 +203,16 @@ def _maybe_inject_fault(step: int, rank: int) -> None:
     raise RuntimeError(f"injected fault at step {step} on rank {rank}")
 
 
-def latest_state_step(run_dir: Path) -> int | None:
-    latest = run_dir / STATE_DIR / "latest"
-    return int(latest.read_text().strip().removeprefix("step")) if latest.is_file() else None
+def save_state(engine, state_dir: Path, step: int, client: dict, keep_last: int, rank: int) -> None:
+    """DeepSpeed checkpoint of ``engine`` under ``state_dir/step<step>`` (collective), then rank 0 commits it
+    (:func:`checkpoints.state.commit_state`: the manifest written last makes it the state to resume from)."""
+    import torch.distributed as dist
+
+    engine.save_checkpoint(str(state_dir), tag=tag_of(step), client_state={"step": step, **client}, save_latest=False)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        commit_state(state_dir, step, keep_last)
 
 
 def fit(
@@ -212,8 +240,9 @@ def fit(
     engine = eng.engine
     schedule = BatchSchedule(len(items), train.train_batch_size, train.micro_train_batch_size, world_size, train.seed)
     start = 0
-    if train.resume and latest_state_step(run_dir) is not None:
-        _, client = engine.load_checkpoint(str(run_dir / STATE_DIR))
+    saved = resumable_state(run_dir / STATE_DIR) if train.resume else None
+    if saved is not None:
+        _, client = engine.load_checkpoint(str(run_dir / STATE_DIR), tag=saved.tag)
         start = int(client["step"])
         torch.set_rng_state(client["torch_rng"])
     writer = MetricsWriter(run_dir, start, enabled=rank == 0)
@@ -264,11 +293,7 @@ def fit(
         if rank == 0:
             report_progress(step + 1, total_steps)
         if train.save_steps and (step + 1) % train.save_steps == 0 and step + 1 < total_steps:
-            engine.save_checkpoint(
-                str(run_dir / STATE_DIR),
-                tag=f"step{step + 1}",
-                client_state={"step": step + 1, "torch_rng": torch.get_rng_state()},
-            )
+            save_state(engine, run_dir / STATE_DIR, step + 1, {"torch_rng": torch.get_rng_state()}, train.keep_last, rank)
         _maybe_inject_fault(step + 1, rank)
     bar.close()
     writer.close()

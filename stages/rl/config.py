@@ -6,7 +6,7 @@ import math
 import urllib.parse
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from datasets_prep.loading import DataConfig
 from stages.common.config import LoraConfig, TrainConfig
@@ -43,19 +43,19 @@ def check_endpoint(url: str, timeout_s: float, retries: int) -> None:
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rollout_batch_size: int = 16  # prompts per RL step
-    n_samples_per_prompt: int = 4
-    max_new_tokens: int = 16
+    rollout_batch_size: int = Field(16, ge=1)  # prompts per RL step
+    n_samples_per_prompt: int = Field(4, ge=1)
+    max_new_tokens: int = Field(16, ge=1)
     # sampling temperature: the learners and the reference divide their logits by it, so the policy trained on
     # is the one sampled from (as OpenRLHF); vLLM reports the tempered log-probs for rollout_logprob_diff
     temperature: float = 1.0
     # nucleus sampling: 1.0 only. Training on top-p samples would need the truncated distribution's
     # log-probs on the learners too (not implemented), so other values are refused by name
     top_p: float = 1.0
-    num_engines: int = 1  # vLLM engines (each a Ray actor)
-    tensor_parallel_size: int = 1  # GPU only; the CPU build runs TP 1
+    num_engines: int = Field(1, ge=1)  # vLLM engines (each a Ray actor)
+    tensor_parallel_size: int = Field(1, ge=1)  # GPU only; the CPU build runs TP 1
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    max_model_len: int = 512
+    max_model_len: int = Field(512, ge=1)
 
 
 class AlgoConfig(BaseModel):
@@ -63,9 +63,9 @@ class AlgoConfig(BaseModel):
 
     advantage_estimator: str = "group_norm"
     policy_loss: str = "ppo"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip: float | None = None
+    clip_eps_low: float = Field(0.2, gt=0)
+    clip_eps_high: float = Field(0.2, gt=0)
+    dual_clip: float | None = Field(None, gt=1)  # OpenRLHF: > 1
     # OpenRLHF's entropy_loss_coef: None or 0: the entropy is logged only; > 0: coef * entropy is subtracted
     # from the loss (aggregated like the policy loss)
     entropy_coef: float | None = None
@@ -73,20 +73,20 @@ class AlgoConfig(BaseModel):
     ppo_epochs: int = 1
     # discount of the per-token returns. OpenRLHF forces 1.0 for the group-baseline estimators (rloo,
     # reinforce_baseline, group_norm, dr_grpo); here the value given is used as it is
-    gamma: float = 1.0
-    lambd: float = 1.0  # GAE's lambda (estimator gae)
-    init_kl_coef: float = 0.0  # 0: no reference model at all
+    gamma: float = Field(1.0, ge=0, le=1)
+    lambd: float = Field(1.0, ge=0, le=1)  # GAE's lambda (estimator gae)
+    init_kl_coef: float = Field(0.0, ge=0)  # 0: no reference model at all
     kl_estimator: str = "k1"
     kl_in_reward: bool = True  # True: -coef*KL per token in the reward; False: coef*KL as a loss term
-    kl_target: float | None = None  # adaptive coefficient (Ziegler et al. 2019) when set
-    kl_horizon: int = 10000
+    kl_target: float | None = Field(None, gt=0)  # adaptive coefficient (Ziegler et al. 2019) when set
+    kl_horizon: int = Field(10000, ge=1)
     # clip the sequence reward to [-c, c]. Differs from OpenRLHF on purpose: OpenRLHF clips the raw reward
     # before the group baseline; here the clip applies to what the estimator passes on (the baselined reward
     # for rloo / group_norm / dr_grpo / reinforce_baseline, the raw one for reinforce and gae)
-    reward_clip: float | None = None
+    reward_clip: float | None = Field(None, gt=0)
     normalize_reward: bool = False  # with a reward model: (r - mean) / std from its checkpoint
-    overlong_buffer: int | None = None  # DAPO: penalise the last `buffer` tokens before max_new_tokens
-    overlong_penalty: float = 1.0
+    overlong_buffer: int | None = Field(None, ge=1)  # DAPO: penalise the last `buffer` tokens before max_new_tokens
+    overlong_penalty: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
@@ -152,7 +152,7 @@ class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     address: str | None = None  # None: start a private local cluster for this task
-    num_cpus: int | None = None
+    num_cpus: int | None = Field(None, ge=1)
     # GPU: vLLM engines share the learners' GPUs (fractional GPU per actor) instead of their own.
     # On CPU, engines never reserve CPUs (they run while the learners wait), so this changes nothing.
     colocate_all: bool = False
@@ -164,7 +164,7 @@ class RLConfig(BaseModel):
     base: str = "tiny:tiny"  # the starting policy, from the CLI; flows pass the SFT checkpoint
     data: DataConfig
     eval_data: DataConfig | None = None
-    eval_steps: int = 0  # greedy held-out accuracy every N steps (and at the end); 0 = only at the end
+    eval_steps: int = Field(0, ge=0)  # greedy held-out accuracy every N steps (and at the end); 0 = only at the end
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     reward: RewardSourceConfig = RewardSourceConfig()
@@ -174,10 +174,10 @@ class RLConfig(BaseModel):
     lora: LoraConfig = LoraConfig()
     critic: CriticConfig = CriticConfig()
     ray: RayConfig = RayConfig()
-    max_steps: int = 10  # RL steps (rollout + update + sync)
-    log_rollouts_every: int = 0  # write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never
+    max_steps: int = Field(10, ge=1)  # RL steps (rollout + update + sync)
+    log_rollouts_every: int = Field(0, ge=0)  # write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never
     verify_sync: bool = True
-    sync_tolerance: float = 0.05  # mean |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)
+    sync_tolerance: float = Field(0.05, gt=0)  # mean |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)
     seed: int = 0
     output_root: str = "runs"
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from checkpoints import CheckpointRef, commit, require_kind, staging, verify
+from checkpoints.state import commit_state, read_json_state, resumable_state, tag_of
 from datasets_prep.loading import check_prompt_label_row, load_rows
 from datasets_prep.packing import BatchSchedule
 from datasets_prep.sft import render_prompt
@@ -183,9 +184,8 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
     if len(rows) < config.rollout.rollout_batch_size:
         raise ValueError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
-    run_dir = run.prepare()
-    dest = run_dir / "checkpoint"
-    with staging(dest) as tmp, ray_cluster(config):
+    with run.claimed() as run_dir, staging(run_dir / "checkpoint") as tmp, ray_cluster(config):
+        dest = run_dir / "checkpoint"
         loop = RLLoop(config, policy.path, tokenizer, rows, eval_rows, reward_fn, run_dir,
                       reward_model.path if reward_model else None, critic_init.path if critic_init else None)
         summary = loop.run()
@@ -444,34 +444,37 @@ class RLLoop:
         return {"eval_accuracy" if self.reward_actor is None else "eval_reward": scores.mean().item()}
 
     def save_state(self, step: int, probe: dict[str, torch.Tensor]) -> None:
-        """Learner and critic state (DeepSpeed checkpoints) plus the driver's own: the step, the KL
-        coefficient, the probe. ``driver.json`` is written last: it is what makes the state resumable."""
+        """Learner and critic state (DeepSpeed checkpoints) plus the driver's own (the step, the KL coefficient,
+        the probe) in ``state/step<N>``, then the manifest that makes it the state to resume from."""
         import ray
         from safetensors.torch import save_file
 
         state = self.run_dir / "state"
-        ray.get([lr.save_state.remote(str(state), step) for lr in self.learners])
-        ray.get([c.save_state.remote(str(state / "critic"), step) for c in self.critics])
-        save_file({k: v.contiguous() for k, v in probe.items()}, str(state / "probe.safetensors"))
-        tmp = state / "driver.json.tmp"
-        tmp.write_text(json.dumps({"step": step, "kl_coef": self.kl.value}))
-        tmp.replace(state / "driver.json")
+        folder = state / tag_of(step)
+        ray.get([lr.save_state.remote(str(folder), step, "policy") for lr in self.learners])
+        ray.get([c.save_state.remote(str(folder), step, "critic") for c in self.critics])
+        save_file({k: v.contiguous() for k, v in probe.items()}, str(folder / "probe.safetensors"))
+        (folder / "driver.json").write_text(json.dumps({"step": step, "kl_coef": self.kl.value}))
+        commit_state(state, step, self.cfg.train.keep_last)
 
     def resume(self) -> tuple[int, dict[str, torch.Tensor] | None]:
-        """Load the latest state (if any) and push its weights to the engines before the first rollout."""
+        """Load the committed state (if any; verified against its manifest first) and push its weights to
+        the engines before the first rollout."""
         import ray
         from safetensors.torch import load_file
 
         state = self.run_dir / "state"
-        if not (state / "driver.json").is_file():
+        saved = resumable_state(state)
+        if saved is None:
             return 0, None
-        driver = json.loads((state / "driver.json").read_text())
-        steps = ray.get([lr.load_state.remote(str(state)) for lr in self.learners])
-        steps += ray.get([c.load_state.remote(str(state / "critic")) for c in self.critics])
+        folder = state / saved.tag
+        driver = read_json_state(state, saved, "driver.json")
+        steps = ray.get([lr.load_state.remote(str(folder), "policy") for lr in self.learners])
+        steps += ray.get([c.load_state.remote(str(folder), "critic") for c in self.critics])
         if any(s != driver["step"] for s in steps):
             raise RuntimeError(f"{state}: learner/critic state is at steps {steps}, driver state at {driver['step']}")
         self.kl.value = driver["kl_coef"]
-        probe = load_file(str(state / "probe.safetensors"))
+        probe = load_file(str(folder / "probe.safetensors"))
         self.sync(probe)
         return driver["step"], probe
 

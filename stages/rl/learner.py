@@ -74,13 +74,13 @@ class Rank:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         trainer.init_distributed()
 
-    def save_state(self, path: str, step: int) -> bool:
-        """DeepSpeed checkpoint of this group's engine (weights, optimizer, scheduler); collective."""
-        self.eng.engine.save_checkpoint(path, tag=f"step{step}", client_state={"step": step})
+    def save_state(self, path: str, step: int, tag: str) -> bool:
+        """DeepSpeed checkpoint of this group's engine (weights, optimizer, scheduler) in ``path/tag``; collective."""
+        self.eng.engine.save_checkpoint(path, tag=tag, client_state={"step": step}, save_latest=False)
         return True
 
-    def load_state(self, path: str) -> int:
-        _, client = self.eng.engine.load_checkpoint(path)
+    def load_state(self, path: str, tag: str) -> int:
+        _, client = self.eng.engine.load_checkpoint(path, tag=tag)
         return int(client["step"])
 
     def _passes(self, updates: list[TrainBatch], micro_loss, prefix: str = "") -> dict[str, float]:

@@ -161,3 +161,29 @@ def test_worked_answers_by_hand():
     # the answer is the last integer in both forms
     assert is_correct("125", "125") and is_correct(worked_answer("57+68"), "125")
     assert not is_correct("Work: 7+8=15, 5+6+1=12", "125")
+
+
+def test_an_oversized_row_is_bounded_before_it_is_tokenized(tmp_path, tokenizer):
+    """A 10 MB row is dropped (or clipped) by its character count, never rendered or tokenized whole; a
+    row under the bound goes through the token length policy as before, and its tokens are unchanged."""
+    import time
+
+    from datasets_prep.preference import prepare_pairs
+    from datasets_prep.sft import char_bound
+
+    bound = char_bound(tokenizer, 20)
+    assert bound == 20 * max(len(t) for t in tokenizer.get_vocab())
+    huge = "7" * 10_000_000
+    path = _jsonl(tmp_path / "d.jsonl", [{"q": "1+1", "a": "2"}, {"q": huge, "a": "2"}, {"q": "2+2", "a": huge}])
+    t = time.perf_counter()
+    ex, rep = prepare_sft(_cfg([str(path)], max_len=20, overflow="drop"), tokenizer)
+    assert (rep.kept, rep.dropped, rep.clipped) == (1, 2, 0)
+    assert ex[0].input_ids == tokenize_sft_row({"q": "1+1", "a": "2"}, tokenizer, _cfg([str(path)])).input_ids
+    ex, rep = prepare_sft(_cfg([str(path)], max_len=20, overflow="truncate"), tokenizer)
+    # row 2: its prompt alone fills max_len (nothing left to learn: dropped); row 3: clipped, then truncated
+    assert (rep.kept, rep.clipped, rep.truncated, rep.dropped) == (2, 2, 2, 1) and all(len(e.input_ids) <= 20 for e in ex)
+    pairs_path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1", "chosen": "2", "rejected": "3"},
+                                               {"prompt": "1+1", "chosen": huge, "rejected": "3"}])
+    pairs, rep = prepare_pairs(DataConfig(paths=[str(pairs_path)], max_len=20, overflow="drop"), tokenizer)
+    assert (rep.kept, rep.dropped) == (1, 1)
+    assert time.perf_counter() - t < 20  # the old path rendered and tokenized 30 MB of text (minutes, GBs)
