@@ -321,6 +321,9 @@ def verify(ref_or_path: CheckpointRef | str | Path) -> Manifest:
     m = read_manifest(path)
     for rel, sha in sorted(m.files.items()):
         p = path / rel
+        if p.suffix in PICKLE_SUFFIXES:  # a manifest can list one (written by hand): never load it
+            raise CheckpointError(f"{p}: pickle-format file in a checkpoint (it could run code when loaded); "
+                                  "hand-off checkpoints hold safetensors only")
         if not p.is_file():
             raise CheckpointError(f"{p}: file listed in the manifest is missing")
         size = p.stat().st_size

@@ -73,9 +73,12 @@ def run_plan(p: Plan, refresh: set[str] | bool = False) -> dict[str, CheckpointR
                 task_run_name=st.spec.name,
                 retries=st.spec.retries,
                 retry_delay_seconds=st.spec.retry_delay_seconds,
+                # Prefect's own deadline is a backstop: the stage's subprocess tree is ended by the launcher first
+                timeout_seconds=st.spec.timeout_s + 60 if st.spec.timeout_s else None,
                 refresh_cache=force or None,
             )
-            outputs[st.spec.name] = task(st.spec.name, run, st.config.model_dump(mode="json"), inputs, reuse=not force)
+            outputs[st.spec.name] = task(st.spec.name, run, st.config.model_dump(mode="json"), inputs, reuse=not force,
+                                         timeout_s=st.spec.timeout_s)
     return outputs
 
 
@@ -109,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--set {item!r}: expected STAGE.KEY=VALUE")
         overrides.setdefault(stage, {})[field] = yaml.safe_load(raw)
     os.chdir(PROJECT_ROOT)
+    # the whole recipe (every stage's config, inputs and files) is checked before Prefect's server starts
+    plan(args.pipeline, output_root=args.output_root, stage_overrides=overrides or None)
+    # Prefect's temporary server (and anything else this process starts) ends with it, even on SIGKILL
+    from stages.common.reaper import start as start_reaper
+
+    start_reaper(os.getpid())
     summary = full_rlhf(args.pipeline, overrides or None, [s for s in args.refresh.split(",") if s], args.output_root)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in summary.items()}, indent=2))
 

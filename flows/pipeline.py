@@ -50,6 +50,9 @@ class StagePlan(BaseModel):
     inputs: dict[str, str | list[str]] = {}  # input name -> earlier stage name(s)
     retries: int = Field(0, ge=0)
     retry_delay_seconds: float = Field(10.0, ge=0)
+    # deadline of one attempt of the stage (its subprocess and everything it started); past it the process
+    # tree is ended and the attempt fails (then retried if retries are left). None: no deadline
+    timeout_s: float | None = Field(None, gt=0)
 
 
 class PipelineRecipe(BaseModel):

@@ -64,8 +64,10 @@ def cached_result_usable(key: str) -> bool:
 
 
 @task(cache_policy=StageCachePolicy(), persist_result=True, log_prints=True)
-def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str, Any], reuse: bool = True) -> Any:
-    """Run one stage in a subprocess (``inputs``: checkpoint refs, or {label: ref} for a list input)."""
+def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str, Any], reuse: bool = True,
+              timeout_s: float | None = None) -> Any:
+    """Run one stage in a subprocess (``inputs``: checkpoint refs, or {label: ref} for a list input); past
+    ``timeout_s`` its process tree is ended and the task fails."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     spec = registry.spec(run.stage)
@@ -91,7 +93,8 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        out = launch("flows.tasks:stage_job", job, 1, folder, env={"RLHF_PROGRESS_FILE": str(progress_file.resolve())})
+        out = launch("flows.tasks:stage_job", job, 1, folder, timeout_s=timeout_s,
+                     env={"RLHF_PROGRESS_FILE": str(progress_file.resolve())})
     finally:
         done.set()
         watcher.join()

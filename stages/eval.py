@@ -48,6 +48,7 @@ class EvalConfig(BaseModel):
     num_samples: int = Field(8, ge=0)  # sampled responses per prompt, for pass@k and the KL estimate (0: greedy only)
     pass_k: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
+    timeout_s: float = Field(6 * 3600.0, gt=0)  # deadline of each generation / scoring subprocess
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"  # vLLM's dtype (float32: exact log-probs for the KL)
     models: list[str] = []  # checkpoint folders, when run from the CLI
@@ -122,12 +123,12 @@ def run_eval(
         generated = {}
         for label, ref in models.items():
             job = {"config": cfg, "model": ref.path, "rows": rows}
-            generated[label] = launch("stages.eval:generate_rank", job, 1, folder / f"generate-{ref.digest[:16]}")
+            generated[label] = launch("stages.eval:generate_rank", job, 1, folder / f"generate-{ref.digest[:16]}", timeout_s=config.timeout_s)
         scores = {}
         if reward_model is not None or reference is not None:
             job = {"config": cfg, "generated": generated,
                    "reward_model": reward_model.path if reward_model else None, "reference": reference.path if reference else None}
-            scores = launch("stages.eval:score_rank", job, 1, folder / "score")
+            scores = launch("stages.eval:score_rank", job, 1, folder / "score", timeout_s=config.timeout_s)
         metrics = {}
         for label in models:
             g, s = generated[label], scores.get(label, {})

@@ -32,6 +32,9 @@ class TrainConfig(BaseModel):
     resume: bool = False  # continue from the latest in-stage checkpoint of the same run
     keep_last: int = Field(1, ge=1)  # in-stage checkpoints kept (state/step<N>); older ones are removed once a newer one is committed
     logging_steps: int = Field(1, ge=1)
+    # deadline of the stage's ranks as a whole (start to export); past it every rank is ended and the ranks
+    # still running are named. RL: the driver's calls have their own deadline (ray.call_timeout_s)
+    timeout_s: float = Field(24 * 3600.0, gt=0)
     progress_bar: bool = True
 
     @model_validator(mode="after")

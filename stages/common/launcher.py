@@ -27,6 +27,10 @@ class StageFailed(RuntimeError):
     """A rank of a stage failed; the message carries its traceback."""
 
 
+class StageTimeout(StageFailed):
+    """A stage's ranks did not finish within its deadline; the message names the ranks still running."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,8 +149,10 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
             if all(c == 0 for c in codes):
                 break
             if timeout_s is not None and time.time() - start > timeout_s:
+                running = [r for r, c in enumerate(codes) if c is None]
                 _kill(procs)
-                raise StageFailed(f"{target}: timed out after {timeout_s:.0f} s")
+                raise StageTimeout(f"{target}: no result within its deadline of {timeout_s:g} s; rank(s) {running} of "
+                                   f"{world_size} still running (hung?) were ended with their process groups; logs: {run_dir / 'logs'}")
             time.sleep(0.2)
     except BaseException:
         _kill(procs)

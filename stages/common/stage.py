@@ -10,7 +10,8 @@ from everything that decides what the run computes:
 
 - the stage's name and its canonical config, less where runs go (``output_root``), the fields that
   name its inputs (their digests count instead) and the settings that only change how a run is
-  watched or continued (``train.resume``, ``train.progress_bar``, ``train.logging_steps``);
+  watched, bounded or continued (``train.resume``, ``train.progress_bar``, ``train.logging_steps``, the
+  deadlines and retries, ``train.keep_last``);
 - the content digests of its input checkpoints;
 - the content digest of every local file or folder its config names (``StageSpec.files``);
 - its code version: the sha256 of the source files in the import closure of the stage's modules
@@ -52,7 +53,8 @@ REWARD_ADAPTER = "reward_adapter"  # LoRA weights (and head) on a reward model
 REPORT = "report"  # eval's report; never an input
 
 # settings that change how a run is watched or continued, not what it computes
-NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps")
+NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps", "train.keep_last", "train.timeout_s",
+                   "timeout_s", "ray.call_timeout_s", "reward.timeout_s", "reward.retries")
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = ".lock"
 

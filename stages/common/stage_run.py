@@ -55,7 +55,7 @@ def train_and_commit(
             "run_dir": str(run_dir),
             **job,
         }
-        result = launch(f"stages.{run.stage}:train_rank", full_job, config.train.world_size, run_dir)
+        result = launch(f"stages.{run.stage}:train_rank", full_job, config.train.world_size, run_dir, timeout_s=config.train.timeout_s)
         return commit(
             tmp,
             dest,

@@ -96,13 +96,18 @@ class Engine:
 
 
 def build_engine(model_path: str, train: TrainConfig, lora: LoraConfig, total_steps: int, model_loader: Callable) -> Engine:
-    """Load the model (ZeRO-3 partitioned at load when stage 3), add LoRA, wrap in DeepSpeed."""
+    """Verify the checkpoint at ``model_path`` (every file against its manifest: the rank reads what the
+    stage checked, not what may have changed since), load the model (ZeRO-3 partitioned at load when
+    stage 3), add LoRA, wrap in DeepSpeed."""
     import deepspeed
     from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
     from transformers.integrations import HfDeepSpeedConfig
 
+    from checkpoints import verify
+
     ds_config = deepspeed_config(train)
     hf_ds = HfDeepSpeedConfig(ds_config) if train.zero_stage == 3 else None
+    verify(model_path)
     torch.manual_seed(train.seed)
     model = model_loader(model_path)
     if train.gradient_checkpointing:
@@ -194,13 +199,28 @@ class MetricsWriter:
 
 
 def _maybe_inject_fault(step: int, rank: int) -> None:
-    """Test hook: RLHF_FAULT_STEP=N makes rank RLHF_FAULT_RANK crash (exit) or raise after step N."""
+    """Test hook: RLHF_FAULT_STEP=N makes rank RLHF_FAULT_RANK crash (exit), raise or hang after step N."""
     at = os.environ.get("RLHF_FAULT_STEP")
     if at is None or int(at) != step or int(os.environ.get("RLHF_FAULT_RANK", "0")) != rank:
         return
-    if os.environ.get("RLHF_FAULT_MODE", "raise") == "exit":
+    mode = os.environ.get("RLHF_FAULT_MODE", "raise")
+    if mode == "exit":
         os._exit(3)
+    if mode == "hang":
+        hang()
     raise RuntimeError(f"injected fault at step {step} on rank {rank}")
+
+
+def hang() -> None:
+    """Test hook: never return (a rank stuck in a collective or a dead filesystem, as the deadlines see it)."""
+    while True:
+        time.sleep(3600)
+
+
+def maybe_hang(where: str, rank: int) -> None:
+    """Test hook: RLHF_FAULT_HANG=WHERE:RANK makes that rank hang at ``where`` (e.g. ``learner.train:0``)."""
+    if os.environ.get("RLHF_FAULT_HANG") == f"{where}:{rank}":
+        hang()
 
 
 def save_state(engine, state_dir: Path, step: int, client: dict, keep_last: int, rank: int) -> None:

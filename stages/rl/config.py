@@ -156,6 +156,9 @@ class RayConfig(BaseModel):
     # GPU: vLLM engines share the learners' GPUs (fractional GPU per actor) instead of their own.
     # On CPU, engines never reserve CPUs (they run while the learners wait), so this changes nothing.
     colocate_all: bool = False
+    # the deadline of every call the driver waits on (a rollout, an update, a weight push, a save): an actor
+    # that does not answer in time is named and the stage fails instead of hanging
+    call_timeout_s: float = Field(3600.0, gt=0)
 
 
 class RLConfig(BaseModel):

@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -35,6 +36,7 @@ from datasets_prep.packing import BatchSchedule
 from datasets_prep.sft import render_prompt
 from stages.common.launcher import PROJECT_ROOT
 from stages.common.progress import report_progress
+from stages.common.reaper import start as start_reaper
 from stages.common.stage import (
     ADAPTER,
     POLICY,
@@ -65,6 +67,27 @@ class SyncError(RuntimeError):
     """vLLM's log-probs after a weight push do not match the learner's."""
 
 
+class CallTimeout(RuntimeError):
+    """An actor gave no answer within ``ray.call_timeout_s``; the message names it."""
+
+
+def ray_get(refs, what: str, timeout_s: float):
+    """``ray.get`` with a deadline: ``what`` (``role.method``) and the rank of every call still pending
+    are named in the error (the actors of a list are in rank order)."""
+    import ray
+
+    many = isinstance(refs, list)
+    refs_list = refs if many else [refs]
+    _, pending = ray.wait(refs_list, num_returns=len(refs_list), timeout=timeout_s)
+    if pending:
+        ranks = [i for i, r in enumerate(refs_list) if r in pending]
+        role, _, method = what.partition(".")
+        raise CallTimeout(f"RL stage: {role} rank(s) {ranks} of {len(refs_list)} gave no answer to {method or what} within "
+                          f"{timeout_s:g} s (ray.call_timeout_s); stopping the stage and its Ray cluster")
+    out = ray.get(refs_list)
+    return out if many else out[0]
+
+
 def make_reward_source(cfg: RLConfig):
     if cfg.reward.func:
         return FuncReward(cfg.reward.func)
@@ -75,7 +98,7 @@ def make_reward_source(cfg: RLConfig):
 
 def _env() -> dict[str, str]:
     keep = ("TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "VLLM_CPU_KVCACHE_SPACE",
-            "RLHF_FAULT_STEP", "RLHF_FAULT_RANK", "RLHF_FAULT_MODE")
+            "RLHF_FAULT_STEP", "RLHF_FAULT_RANK", "RLHF_FAULT_MODE", "RLHF_FAULT_HANG")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -102,6 +125,23 @@ def private_cluster_env() -> None:
         AuthenticationTokenLoader.instance().reset_cache()
 
 
+RAY_TMP_PREFIX = "rlray-"
+
+
+def remove_stale_cluster_folders() -> None:
+    """Private clusters' temp folders (``/tmp/rlray-<pid>-*``) whose process is gone and whose reaper did not
+    run (both killed at once, a reboot): removed at the next start."""
+    import psutil
+
+    for folder in Path("/tmp").glob(f"{RAY_TMP_PREFIX}*-*"):
+        try:
+            owner = int(folder.name[len(RAY_TMP_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if not psutil.pid_exists(owner):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextmanager
 def ray_cluster(cfg: RLConfig):
     """A private local Ray cluster for this task (or the one at ``ray.address``); always shut down."""
@@ -122,14 +162,19 @@ def ray_cluster(cfg: RLConfig):
     import psutil  # a dependency of DeepSpeed and vLLM
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, runtime_env={"env_vars": _env()}, log_to_driver=True)
-    else:
-        tmp = tempfile.mkdtemp(prefix="rlray-", dir="/tmp")  # short: Ray's socket paths are length-limited
-        cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, cfg.train.world_size)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, _temp_dir=tmp,
-                 runtime_env={"env_vars": _env()}, log_to_driver=True)
-    try:
+    reaper = None
+    try:  # everything from here on, ray.init included, unwinds through the shutdown below
+        if cfg.ray.address:
+            ray.init(address=cfg.ray.address, runtime_env={"env_vars": _env()}, log_to_driver=True)
+        else:
+            remove_stale_cluster_folders()
+            # short: Ray's socket paths are length-limited; the pid says whose it is (remove_stale_cluster_folders)
+            tmp = tempfile.mkdtemp(prefix=f"{RAY_TMP_PREFIX}{os.getpid()}-", dir="/tmp")
+            # if this process is SIGKILLed, the reaper ends the cluster's processes and removes its folder
+            reaper = start_reaper(os.getpid(), tmp)
+            cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, cfg.train.world_size)
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, _temp_dir=tmp,
+                     runtime_env={"env_vars": _env()}, log_to_driver=True)
         yield tmp
     finally:
         # a local cluster's raylet, GCS and workers descend from this process; after shutdown the
@@ -143,6 +188,9 @@ def ray_cluster(cfg: RLConfig):
         psutil.wait_procs(alive, timeout=5)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        if reaper is not None:  # it sees the folder gone and exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                reaper.wait(timeout=5)
         for k, v in saved.items():  # the token dies with its cluster
             if v is None:
                 os.environ.pop(k, None)
@@ -203,7 +251,6 @@ def place(cfg: RLConfig, critics: int = 0):
     per engine ``tensor_parallel_size`` GPUs of their own, or with ``ray.colocate_all`` shares of the
     learners' GPUs.
     """
-    import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -214,7 +261,7 @@ def place(cfg: RLConfig, critics: int = 0):
     if own_bundles:
         bundles += [{"GPU": cfg.rollout.tensor_parallel_size} for _ in range(engines)] + [{"GPU": 1} for _ in range(critics)]
     pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready())
+    ray_get(pg.ready(), "placement group", cfg.ray.call_timeout_s)
 
     def at(bundle: int) -> dict:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)}
@@ -241,8 +288,9 @@ def _group(cls, n: int, opts, runtime_env: dict, config: dict, model_path: str, 
     import ray
 
     actors = [ray.remote(cls).options(runtime_env=runtime_env, **opts(r)).remote(r, n) for r in range(n)]
-    master = ray.get(actors[0].address.remote())
-    ray.get([a.setup.remote(config, model_path, total_updates, master) for a in actors])
+    who, timeout = cls.__name__.lower(), config["ray"]["call_timeout_s"]
+    master = ray_get(actors[0].address.remote(), f"{who}.address", timeout)
+    ray_get([a.setup.remote(config, model_path, total_updates, master) for a in actors], f"{who}.setup", timeout)
     return actors
 
 
@@ -284,7 +332,7 @@ class RLLoop:
             )
             for i in range(ro.num_engines)
         ]
-        ray.get([e.ready.remote() for e in self.engines])
+        self.get([e.ready.remote() for e in self.engines], "engine.ready")
         self.reward_actor = None
         if reward_model_path:  # the reward model is served from its own actor, sharing the CPUs like vLLM
             self.reward_actor = (
@@ -295,6 +343,9 @@ class RLLoop:
         self.prompt_ids = [self._render(r) for r in rows]
         self.schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
 
+    def get(self, refs, what: str):
+        return ray_get(refs, what, self.cfg.ray.call_timeout_s)
+
     # -- the pieces of a step, in the order the loop calls them --------------------------------------
 
     def _render(self, row: dict) -> list[int]:
@@ -302,14 +353,13 @@ class RLLoop:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False):
-        import ray
 
         shards = [prompt_ids[i :: len(self.engines)] for i in range(len(self.engines))]
-        outs = ray.get([
+        outs = self.get([
             e.generate.remote(s, n=n, max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature,
                               seed=seed + i * 1_000_003, logprobs=logprobs)
             for i, (e, s) in enumerate(zip(self.engines, shards))
-        ])
+        ], "engine.generate")
         result: list = [None] * len(prompt_ids)
         for i, out in enumerate(outs):
             for j, group in enumerate(out):
@@ -328,12 +378,11 @@ class RLLoop:
     def rewards(self, rows: list[dict], samples: Samples) -> dict[str, Any]:
         """The reward source's answer for every sample (consecutive groups, one per row, in order)."""
         if self.reward_actor is not None:
-            import ray
 
             from stages.rl.rewards import check_result
 
             seqs = [p + r for p, r in zip(samples.prompt_ids, samples.response_ids, strict=True)]
-            return check_result({"rewards": ray.get(self.reward_actor.score.remote(seqs))}, len(seqs), "reward model")
+            return check_result({"rewards": self.get(self.reward_actor.score.remote(seqs), "reward model.score")}, len(seqs), "reward model")
         per = len(samples.prompt_ids) // len(rows)
         queries, prompts, labels = [], [], []
         for k, (p, r) in enumerate(zip(samples.prompt_ids, samples.response_ids, strict=True)):
@@ -353,15 +402,14 @@ class RLLoop:
 
     def forward(self, samples: Samples) -> Forward:
         """The no-grad passes the plan asks for: old and reference log-probs (learners), values (critic)."""
-        import ray
 
         plan, batch = self.plan, samples.tensors()
         logps = [lr.logprobs.remote(s, policy=plan.old_logp, reference=plan.ref_logp)
                  for lr, s in zip(self.learners, self._shards(batch, len(self.learners)))] if plan.old_logp or plan.ref_logp else []
         values = [c.values.remote(s) for c, s in zip(self.critics, self._shards(batch, len(self.critics)))] if plan.values else []
-        outs = ray.get(logps)
+        outs = self.get(logps, "learner.logprobs")
         cat = {k: torch.cat([o[k] for o in outs]) for k in (outs[0] if outs else {})}
-        return Forward(cat.get("logp"), cat.get("ref_logp"), torch.cat(ray.get(values)) if values else None)
+        return Forward(cat.get("logp"), cat.get("ref_logp"), torch.cat(self.get(values, "critic.values")) if values else None)
 
     @staticmethod
     def rollout_logprob_diff(samples: Samples, old_logp: torch.Tensor) -> float:
@@ -373,7 +421,6 @@ class RLLoop:
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes of critic updates, then of policy updates (none while the critic warms up)."""
-        import ray
 
         cfg = self.cfg
         out: dict[str, float] = {}
@@ -381,7 +428,7 @@ class RLLoop:
         epochs = cfg.algo.ppo_epochs
         if self.critics:
             shares = updates_of(exp, cfg, len(self.critics))
-            sums = _sum_dicts(ray.get([c.train.remote(u) for c, u in zip(self.critics, shares)]) for _ in range(epochs))
+            sums = _sum_dicts(self.get([c.train.remote(u) for c, u in zip(self.critics, shares)], "critic.train") for _ in range(epochs))
             out.update(critic_loss=sums["critic_loss"] / (tokens * epochs), value_mean=sums["values"] / (tokens * epochs),
                        critic_clip_ratio=sums["critic_clip_ratio"] / (tokens * epochs),
                        critic_grad_norm=sums["critic_grad_norm"] / (len(self.critics) * epochs),
@@ -391,7 +438,7 @@ class RLLoop:
             out["policy_frozen"] = 1.0
             return out
         shares = updates_of(exp, cfg, len(self.learners))
-        sums = _sum_dicts(ray.get([lr.train.remote(u, self.kl.value) for lr, u in zip(self.learners, shares)]) for _ in range(epochs))
+        sums = _sum_dicts(self.get([lr.train.remote(u, self.kl.value) for lr, u in zip(self.learners, shares)], "learner.train") for _ in range(epochs))
         n = len(self.learners)
         out.update(kl_sum=sums["kl"] / epochs, policy_loss=sums["policy_loss"] / (tokens * epochs),
                    clip_ratio=sums["clip_ratio"] / (tokens * epochs), entropy=sums["entropy"] / (tokens * epochs),
@@ -406,10 +453,10 @@ class RLLoop:
         """Push the learners' weights to every engine; return the probe's mean and max |log-prob difference|."""
         import ray
 
-        data = ray.get([lr.weights_bytes.remote(self.cfg.rollout.dtype) for lr in self.learners])[0]
+        data = self.get([lr.weights_bytes.remote(self.cfg.rollout.dtype) for lr in self.learners], "learner.weights_bytes")[0]
         if os.environ.get("RLHF_FAULT_SKIP_PUSH") != "1":  # test hook: a push that silently does nothing
             ref = ray.put(data)
-            ray.get([e.update_weights.remote(ref) for e in self.engines])
+            self.get([e.update_weights.remote(ref) for e in self.engines], "engine.update_weights")
         return self.verify(probe) if self.cfg.verify_sync else (float("nan"), float("nan"))
 
     def verify(self, probe: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -417,11 +464,10 @@ class RLLoop:
 
         The check is on the mean over the probe's tokens: bf16 rounding moves single unlikely tokens by
         more than a real update does, while a stale or half-loaded engine shifts them all."""
-        import ray
 
-        learner = ray.get([lr.probe_logprobs.remote(probe) for lr in self.learners])[0]
+        learner = self.get([lr.probe_logprobs.remote(probe) for lr in self.learners], "learner.probe_logprobs")[0]
         seqs = [row[row_mask.bool()].tolist() for row, row_mask in zip(probe["input_ids"], probe["attention_mask"])]
-        engine_lps = ray.get([e.sequence_logprobs.remote(seqs) for e in self.engines])
+        engine_lps = self.get([e.sequence_logprobs.remote(seqs) for e in self.engines], "engine.sequence_logprobs")
         mean, worst = 0.0, 0.0
         for lps in engine_lps:
             diffs = torch.cat([(torch.tensor(lp) - learner[i, 1 : len(lp) + 1]).abs() for i, lp in enumerate(lps)])
@@ -446,13 +492,12 @@ class RLLoop:
     def save_state(self, step: int, probe: dict[str, torch.Tensor]) -> None:
         """Learner and critic state (DeepSpeed checkpoints) plus the driver's own (the step, the KL coefficient,
         the probe) in ``state/step<N>``, then the manifest that makes it the state to resume from."""
-        import ray
         from safetensors.torch import save_file
 
         state = self.run_dir / "state"
         folder = state / tag_of(step)
-        ray.get([lr.save_state.remote(str(folder), step, "policy") for lr in self.learners])
-        ray.get([c.save_state.remote(str(folder), step, "critic") for c in self.critics])
+        self.get([lr.save_state.remote(str(folder), step, "policy") for lr in self.learners], "learner.save_state")
+        self.get([c.save_state.remote(str(folder), step, "critic") for c in self.critics], "critic.save_state")
         save_file({k: v.contiguous() for k, v in probe.items()}, str(folder / "probe.safetensors"))
         (folder / "driver.json").write_text(json.dumps({"step": step, "kl_coef": self.kl.value}))
         commit_state(state, step, self.cfg.train.keep_last)
@@ -460,7 +505,6 @@ class RLLoop:
     def resume(self) -> tuple[int, dict[str, torch.Tensor] | None]:
         """Load the committed state (if any; verified against its manifest first) and push its weights to
         the engines before the first rollout."""
-        import ray
         from safetensors.torch import load_file
 
         state = self.run_dir / "state"
@@ -469,8 +513,8 @@ class RLLoop:
             return 0, None
         folder = state / saved.tag
         driver = read_json_state(state, saved, "driver.json")
-        steps = ray.get([lr.load_state.remote(str(folder), "policy") for lr in self.learners])
-        steps += ray.get([c.load_state.remote(str(folder), "critic") for c in self.critics])
+        steps = self.get([lr.load_state.remote(str(folder), "policy") for lr in self.learners], "learner.load_state")
+        steps += self.get([c.load_state.remote(str(folder), "critic") for c in self.critics], "critic.load_state")
         if any(s != driver["step"] for s in steps):
             raise RuntimeError(f"{state}: learner/critic state is at steps {steps}, driver state at {driver['step']}")
         self.kl.value = driver["kl_coef"]
@@ -561,9 +605,8 @@ class RLLoop:
         return {"initial_eval": initial, "final_eval": final, "last_step": history[-1] if history else {}}
 
     def export(self, out_dir: str) -> None:
-        import ray
 
-        ray.get([lr.export.remote(out_dir, self.policy_path) for lr in self.learners])
+        self.get([lr.export.remote(out_dir, self.policy_path) for lr in self.learners], "learner.export")
 
 
 def _sum_dicts(dicts) -> dict[str, float]:

@@ -161,6 +161,9 @@ class Learner(Rank):
 
     def train(self, updates: list[TrainBatch], kl_coef: float) -> dict[str, float]:
         """One pass over this rank's shares of the step's optimizer steps."""
+        from stages.common.trainer import maybe_hang
+
+        maybe_hang("learner.train", self.rank)
         algo, plan = self.cfg.algo, self.plan
         policy_loss = POLICY_LOSSES[algo.policy_loss]
         kl_of = KL_ESTIMATORS[algo.kl_estimator]

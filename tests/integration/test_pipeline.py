@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -342,11 +344,20 @@ def test_killing_the_flow_process_leaves_no_stage_process(tmp_path, task_files):
     finally:
         flow.send_signal(signal.SIGKILL)
         flow.wait()
+    def in_flow_session() -> list[str]:  # what the flow started in its session: Prefect's temporary server, ...
+        left = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getsid(p.info["pid"]) == flow.pid:
+                    left.append(" ".join(p.info["cmdline"] or [])[:120])
+        return left
+
     deadline = time.time() + 30
-    while time.time() < deadline and no_worker_processes(tmp_path / "runs"):
+    while time.time() < deadline and (no_worker_processes(tmp_path / "runs") or in_flow_session()):
         time.sleep(0.5)
     try:
         assert not no_worker_processes(tmp_path / "runs")
+        assert in_flow_session() == []  # the reaper ended Prefect's temporary server too
     finally:
         try:
             os.killpg(flow.pid, signal.SIGKILL)

@@ -176,6 +176,18 @@ def test_a_push_that_changes_nothing_is_caught_and_ray_is_cleaned_up(task_files,
     assert not list(tmp_path.glob("rl-*/checkpoint"))
 
 
+def test_a_hung_learner_fails_the_step_at_its_deadline_naming_it(task_files, sft_policy, tmp_path, monkeypatch):
+    from stages.rl.driver import CallTimeout
+
+    monkeypatch.setenv("RLHF_FAULT_HANG", "learner.train:0")
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), train__world_size=1, train__zero_stage=2,
+                  ray={"call_timeout_s": 45})
+    with pytest.raises(CallTimeout, match=r"learner rank\(s\) \[0\] of 1 gave no answer to train within 45 s \(ray.call_timeout_s\)"):
+        run_rl(cfg, sft_policy)
+    assert ray_processes() == []
+    assert not list(tmp_path.glob("rl-*/checkpoint"))
+
+
 def test_bad_reward_source_and_config_fail_before_ray_starts(task_files, sft_policy, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def reward_func(q, p, l):\n    return {'rewards': [float('nan')] * len(q)}\n")
@@ -295,7 +307,10 @@ def test_reward_model_as_the_reward_source(task_files, sft_policy, tokenizer, tm
                        train__world_size=1), sft_policy)
 
 
-def test_sigterm_mid_run_leaves_no_ray_process(task_files, sft_policy, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_killed_rl_stage_leaves_no_ray_process_and_no_temp_folder(task_files, sft_policy, tmp_path, sig):
+    """SIGTERM unwinds through the cluster's shutdown; after SIGKILL the reaper ends the cluster's processes
+    and removes its temp folder."""
     import signal
     import subprocess
     import sys
@@ -320,10 +335,15 @@ def test_sigterm_mid_run_leaves_no_ray_process(task_files, sft_policy, tmp_path)
         time.sleep(1)
     assert metrics is not None, "the RL run did not reach step 2"
     assert ray_processes() != []
-    proc.send_signal(signal.SIGTERM)
+    folders = list(Path("/tmp").glob(f"rlray-{proc.pid}-*"))
+    assert len(folders) == 1
+    proc.send_signal(getattr(signal, sig))
     assert proc.wait(timeout=120) != 0
-    time.sleep(2)
+    deadline = time.time() + 30
+    while time.time() < deadline and (ray_processes() or folders[0].exists()):
+        time.sleep(0.5)
     assert ray_processes() == []
+    assert not folders[0].exists()
     assert not list(tmp_path.glob("rl-*/checkpoint"))
 
 

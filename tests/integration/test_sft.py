@@ -99,6 +99,21 @@ def test_failing_rank_surfaces_its_traceback_and_leaves_no_process(task_files, m
     assert not list(tmp_path.glob("sft-*/.checkpoint.partial-*"))
 
 
+def test_hung_rank_fails_the_stage_at_its_deadline_and_leaves_no_process(task_files, micro_model, tmp_path, monkeypatch):
+    import time
+
+    from stages.common.launcher import StageTimeout
+
+    monkeypatch.setenv("RLHF_FAULT_STEP", "1")
+    monkeypatch.setenv("RLHF_FAULT_MODE", "hang")  # rank 0 never returns after step 1
+    t = time.monotonic()
+    with pytest.raises(StageTimeout, match=r"no result within its deadline of 40 s; rank\(s\) \[0\] of 1 still running"):
+        run_sft(_config(task_files, tmp_path, timeout_s=40), micro_model)
+    assert time.monotonic() - t < 40 + 25  # the deadline, plus the launcher's SIGTERM grace and the data prep
+    assert no_worker_processes(tmp_path) == []
+    assert not list(tmp_path.glob("sft-*/checkpoint"))
+
+
 def test_lora_with_gradient_checkpointing_saves_an_adapter_for_its_base(task_files, micro_model, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -176,6 +176,22 @@ def test_pickles_are_never_committed(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+def test_a_manifest_that_lists_a_pickle_is_refused_on_load(tmp_path):
+    """A self-consistent folder written by hand (pickle file, manifest and digest to match) still never loads."""
+    ref = _save(tmp_path / "ck", {"w": torch.ones(2)})
+    folder = Path(ref.path)
+    torch.save({"w": torch.ones(2)}, folder / "pytorch_model.bin")
+    from checkpoints.store import sha256_file
+
+    m = json.loads((folder / MANIFEST).read_text())
+    m["files"]["pytorch_model.bin"] = sha256_file(folder / "pytorch_model.bin")
+    m["sizes"]["pytorch_model.bin"] = (folder / "pytorch_model.bin").stat().st_size
+    m["digest"] = content_digest(m["files"])
+    (folder / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: pickle-format file in a checkpoint"):
+        load_ref(folder)
+
+
 def test_import_local_hf_folder_and_refuse_non_models(tmp_path, micro_model):
     plain = tmp_path / "plain"
     plain.mkdir()
