@@ -2,7 +2,8 @@
 
 A folder that already carries a manifest is verified and used as it is. Any other local folder, or a
 hub repository fetched with ``huggingface_hub.snapshot_download``, is copied into the store under a
-manifest (stage ``import``) so that later stages get the same verifiable reference either way.
+manifest (stage ``import``) so that later stages get the same verifiable reference either way; the
+import's folder is named by the origin and the content digest, so an edited source is imported anew.
 Only safetensors weights are taken; a model that ships only pickled weights is refused.
 """
 
@@ -19,7 +20,9 @@ from checkpoints.store import (
     CheckpointError,
     CheckpointRef,
     commit,
+    content_digest,
     load_ref,
+    sha256_file,
     staging,
 )
 
@@ -57,14 +60,16 @@ def import_pretrained(name_or_path: str | Path, store_root: str | Path) -> Check
             ) from e
         _check_model_folder(fetched)
         src, origin = fetched, f"hub:{name_or_path}"
-    key = hashlib.sha256(origin.encode()).hexdigest()[:12]
+    taken = [p for p in sorted(src.iterdir()) if p.is_file() and any(p.match(pat) for pat in _ALLOW)]
+    # the import is named by where it came from and by what it holds: a folder edited in place is imported again
+    content = content_digest({p.name: sha256_file(p) for p in taken})
+    key = hashlib.sha256(f"{origin}\0{content}".encode()).hexdigest()[:12]
     dest = Path(store_root) / f"import-{src.name}-{key}"
     if (dest / MANIFEST).is_file():
         return load_ref(dest)
     with staging(dest) as tmp:
-        for p in sorted(src.iterdir()):
-            if p.is_file() and any(p.match(pat) for pat in _ALLOW):
-                shutil.copy2(p, tmp / p.name)
+        for p in taken:
+            shutil.copy2(p, tmp / p.name)
         kind = "reward" if _is_reward_config(tmp / "config.json") else "full"
         return commit(tmp, dest, stage="import", kind=kind, config_hash=key, extra={"origin": origin})
 

@@ -202,6 +202,11 @@ def test_import_local_hf_folder_and_refuse_non_models(tmp_path, micro_model):
     assert ref.stage == "import" and ref.kind == "full"
     assert ref.digest == micro_model.digest  # same files, same content digest
     assert import_pretrained(ref.path, tmp_path / "store") == ref  # a checkpoint folder is used as it is
+    assert import_pretrained(plain, tmp_path / "store") == ref  # unchanged source: the same import
+    cfg = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**cfg, "edited": True}))  # the source edited in place
+    again = import_pretrained(plain, tmp_path / "store")
+    assert again.digest != ref.digest and again.path != ref.path and load_ref(ref.path) == ref
     with pytest.raises(CheckpointError, match="not a model folder \\(no config.json\\)"):
         import_pretrained(tmp_path / "store", tmp_path / "store2")
     pickled = tmp_path / "pickled"
