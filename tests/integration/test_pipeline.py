@@ -210,6 +210,14 @@ def test_bad_pipeline_is_rejected_before_any_stage_runs(results, task_files):
     with pytest.raises(RecipeError, match=r"(?s)stages\[2\] \(dpo\).*train\.lr: .*got .fast."):
         state.result()
     assert not (results / "runs").exists()
+    # from the command line the recipe is checked before Prefect's temporary server is started
+    env = {**os.environ, "PREFECT_HOME": str(results / "cli-prefect")}
+    env.pop("PREFECT_API_URL", None)
+    out = subprocess.run([sys.executable, "-m", "flows.full_rlhf", str(recipe)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "train.lr" in out.stderr and "got 'fast'" in out.stderr, out.stderr[-2000:]
+    assert "temporary server" not in (out.stdout + out.stderr).lower()
+    assert not (results / "cli-prefect").exists() or not any((results / "cli-prefect").rglob("*.db"))
 
 
 def api_post(api: str, path: str, body: dict) -> list | dict:
