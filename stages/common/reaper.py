@@ -65,7 +65,7 @@ def watch(pid: int, folder: Path | None) -> None:
         proc = psutil.Process(pid)
     except psutil.Error:
         return
-    before = set(_descendants(proc))
+    before = set(_descendants(proc)) | {os.getpid()}
     recorded: dict[int, float] = {}
     while True:
         if folder is not None and not folder.exists():

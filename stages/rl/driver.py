@@ -179,7 +179,8 @@ def ray_cluster(cfg: RLConfig):
     finally:
         # a local cluster's raylet, GCS and workers descend from this process; after shutdown the
         # workers exit on their own a moment later: wait for them (and end any that linger)
-        ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in before] if tmp else []
+        skip = before | ({reaper.pid} if reaper is not None else set())  # the reaper leaves once the folder is gone
+        ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in skip] if tmp else []
         ray.shutdown()
         _, alive = psutil.wait_procs(ours, timeout=15)
         for p in alive:
