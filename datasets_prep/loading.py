@@ -9,6 +9,8 @@ the value and what was expected.
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,11 +36,16 @@ class DataConfig(BaseModel):
     # chat messages (multi-turn; loss on assistant turns only) and `output_key` may then be null.
     input_key: str = "input"
     output_key: str | None = "output"
-    prompt_key: str = "prompt"
+    # preference pairs: null takes the prompt from the pair itself (the messages chosen and rejected share,
+    # or for transcripts the common prefix up to the last `prompt_marker`, as TRL's extract_prompt)
+    prompt_key: str | None = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     label_key: str = "label"
     margin_key: str | None = None
+    # the margin as score_chosen - score_rejected from two score columns, e.g. [score_chosen, score_rejected]
+    score_keys: tuple[str, str] | None = None
+    prompt_marker: str = "Assistant:"
     apply_chat_template: bool = True
     # Used instead of the chat template when apply_chat_template is false, e.g. "User: {}\nAssistant: ".
     input_template: str | None = None
@@ -66,9 +73,86 @@ class DataConfig(BaseModel):
                 raise ValueError(f"dataset_probs: {self.dataset_probs} must be non-negative with a positive sum")
         if self.input_template is not None and "{}" not in self.input_template:
             raise ValueError(f"input_template: {self.input_template!r} must contain '{{}}' where the input goes")
+        if self.margin_key is not None and self.score_keys is not None:
+            raise ValueError(f"margin_key ({self.margin_key!r}) and score_keys ({list(self.score_keys)}) both give the margin; set one")
+        if not self.prompt_marker:
+            raise ValueError("prompt_marker: must be non-empty text (where a transcript's prompt ends, e.g. 'Assistant:')")
         if self.max_samples is not None and self.max_samples <= 0:
             raise ValueError(f"max_samples: {self.max_samples} must be positive")
         return self
+
+
+def _kind(value: Any) -> str | None:
+    """The JSON type of a value as a column sees it (int and float are both numbers; null has none)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def scan_json_rows(path: Path) -> list[int]:
+    st = path.stat()
+    return list(_scan_json_rows(str(path), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=32)
+def _scan_json_rows(name: str, mtime_ns: int, size: int) -> tuple[int, ...]:
+    """Check a JSON-lines file (or a .json file holding one array) line by line before ``datasets`` reads it,
+    and return the line number of each row.
+
+    A line that is not UTF-8, not JSON or not an object, and a field whose JSON type differs from the one it
+    had in an earlier row (``datasets`` would coerce the column, or fail without saying where), raise a
+    :class:`DataError` naming the file, the line, the field and the reason.
+    """
+    path = Path(name)
+    raw = path.read_bytes()
+    if path.suffix.lower() == ".json" and raw.lstrip()[:1] == b"[":
+        try:
+            items = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            raise DataError(f"{path} line {line}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") from e
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from e
+        rows = [(f"item {i + 1}", item) for i, item in enumerate(items)]
+        lines = list(range(1, len(items) + 1))
+    else:
+        rows, lines = [], []
+        for n, line in enumerate(raw.split(b"\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} line {n}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})") from e
+            try:
+                rows.append((f"line {n}", json.loads(text)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {n}: not valid JSON ({e.msg}, column {e.colno}; line starts {text[:60]!r})") from e
+            lines.append(n)
+    first: dict[str, tuple[str, str]] = {}  # field -> (its JSON type, where it was first seen)
+    for where, row in rows:
+        if not isinstance(row, dict):
+            raise DataError(f"{path} {where}: a JSON {_kind(row) or 'null'} ({json.dumps(row)[:60]}); expected an object with named fields")
+        for key, value in row.items():
+            kind = _kind(value)
+            if kind is None:
+                continue
+            seen = first.setdefault(key, (kind, where))
+            if seen[0] != kind:
+                raise DataError(f"{path} {where}: field '{key}' is a JSON {kind} (value {json.dumps(value)[:60]}); "
+                                f"it is a {seen[0]} in {seen[1]}, and a column holds one type")
+    return tuple(lines)
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The innermost exception behind ``e`` (``datasets`` wraps a parser's error in DatasetGenerationError)."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return e
 
 
 def load_source(path: str, split: str = "train"):
@@ -90,14 +174,18 @@ def load_source(path: str, split: str = "train"):
             builder = _FILE_BUILDERS.get(p.suffix.lower())
             if builder is None:
                 raise DataError(f"{path}: unsupported file type '{p.suffix}' (expected one of {sorted(_FILE_BUILDERS)})")
+            if builder == "json":
+                scan_json_rows(p)
             return datasets.load_dataset(builder, data_files=str(p), split="train")
         if p.suffix.lower() in _FILE_BUILDERS or path.startswith((".", "/")):
             raise DataError(f"{path}: file not found")
         return datasets.load_dataset(path, split=split)
     except DataError:
         raise
-    except Exception as e:  # malformed JSON, unreachable hub, ...: say which source
-        raise DataError(f"{path}: could not be loaded ({type(e).__name__}: {e})") from e
+    except Exception as e:  # malformed file, unreachable hub, ...: say which source and the parser's reason
+        inner = _cause(e)
+        reason = f"{type(e).__name__}: {e}" if inner is e else f"{type(inner).__name__}: {inner}"
+        raise DataError(f"{path}: could not be loaded ({reason})") from e
 
 
 def load_rows(config: DataConfig, check_row=None) -> list[dict]:
@@ -114,8 +202,11 @@ def load_rows(config: DataConfig, check_row=None) -> list[dict]:
         if len(ds) == 0:
             raise DataError(f"{path}: dataset is empty (split '{config.split}')")
         if check_row is not None:
+            p = Path(path)
+            lines = scan_json_rows(p) if p.is_file() and _FILE_BUILDERS.get(p.suffix.lower()) == "json" else None
             for i, row in enumerate(ds):
-                check_row(row, f"{path} row {i + 1}")
+                line = f" (line {lines[i]})" if lines is not None and i < len(lines) and lines[i] != i + 1 else ""
+                check_row(row, f"{path} row {i + 1}{line}")
         parts.append(ds)
     if len(parts) == 1:
         mixed = parts[0]
@@ -156,6 +247,8 @@ def check_prompt_label_row(config: DataConfig):
     """Row check for prompt datasets with a label (RL prompts, eval prompts)."""
 
     def check(row: dict, where: str) -> None:
+        if config.prompt_key is None:
+            raise DataError(f"{where}: prompt_key is null, but prompts are read from a column here; name it (e.g. prompt_key: prompt)")
         require_text(row, config.prompt_key, where, "prompt_key", allow_messages=True)
         if row.get(config.label_key) is None:
             raise DataError(f"{where}: key '{config.label_key}' missing (label_key='{config.label_key}')")

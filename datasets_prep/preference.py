@@ -1,8 +1,10 @@
 """Preference pairs for the reward-model and DPO stages: validation, tokenization, pair batches.
 
 A row has a prompt (text or chat messages), a chosen and a rejected response, and optionally a
-margin. Each pair becomes two sequences, ``prompt + chosen`` and ``prompt + rejected``, sharing the
-prompt tokens; the responses end with the template's end-of-turn token.
+margin; :func:`pair_of` reads the shapes people download (prompt/response columns, UltraFeedback-style
+message lists, HH-style transcripts with no prompt column) into that one form. Each pair becomes two
+sequences, ``prompt + chosen`` and ``prompt + rejected``, sharing the prompt tokens; the responses end
+with the template's end-of-turn token.
 
 Batches put all chosen sequences first, then all rejected ones, so one forward pass scores both.
 Every batch carries ``segment_ids`` (which sequence each token belongs to, -1 for padding) and
@@ -39,34 +41,111 @@ class PackedPairs:
     pairs: list[PairExample]
 
 
+def _number(row: dict, key: str, where: str, role: str) -> float:
+    m = row.get(key)
+    if isinstance(m, bool) or not isinstance(m, int | float) or m != m:
+        raise DataError(f"{where}: field '{key}' is {m!r}; expected a number ({role})")
+    return float(m)
+
+
+def _shared_messages(chosen: list[dict], rejected: list[dict]) -> int:
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    return k
+
+
+def _transcript_prompt(chosen: str, rejected: str, marker: str) -> int:
+    """Where a transcript pair's prompt ends: after the last ``marker`` in the common prefix; without one, the
+    common prefix less a trailing space (TRL's extract_prompt)."""
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    at = chosen.rfind(marker, 0, k)
+    if at >= 0:
+        return at + len(marker)
+    return k - 1 if k > 0 and chosen[k - 1] == " " else k
+
+
+def pair_of(row: dict, config: DataConfig, where: str) -> dict:
+    """A preference row in any supported shape as ``{"prompt", "chosen", "rejected", "margin"}``.
+
+    Shapes: a prompt column with text responses; chat-message ``chosen``/``rejected`` (UltraFeedback-style:
+    the prompt is the ``prompt_key`` column when the row has one, else the messages both share, and each side
+    ends with one assistant message); transcripts with no prompt column (Anthropic HH-style, ``prompt_key:
+    null``: the prompt is the common prefix up to its last ``prompt_marker``). The prompt is text or a message
+    list; the responses are text. Raises DataError naming the row, the field and what was expected.
+    """
+    chosen = require_text(row, config.chosen_key, where, "chosen_key", allow_messages=True)
+    rejected = require_text(row, config.rejected_key, where, "rejected_key", allow_messages=True)
+    if type(chosen) is not type(rejected):
+        raise DataError(f"{where}: '{config.chosen_key}' is a {type(chosen).__name__} but '{config.rejected_key}' is a "
+                        f"{type(rejected).__name__}; expected two texts or two message lists")
+    has_prompt = config.prompt_key is not None and row.get(config.prompt_key) is not None
+    prompt = require_text(row, config.prompt_key, where, "prompt_key", allow_messages=True) if has_prompt else None
+    if isinstance(chosen, list):
+        if prompt is not None:
+            head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            sides = [side[len(head):] if side[: len(head)] == head else side for side in (chosen, rejected)]
+        else:
+            k = _shared_messages(chosen, rejected)
+            if k == 0:
+                raise DataError(f"{where}: '{config.chosen_key}' and '{config.rejected_key}' share no leading messages to take "
+                                f"the prompt from; give the prompt in a column (prompt_key)")
+            prompt, sides = chosen[:k], [chosen[k:], rejected[k:]]
+        for key, side in zip((config.chosen_key, config.rejected_key), sides, strict=True):
+            if len(side) != 1 or side[0]["role"] != "assistant":
+                raise DataError(f"{where}: field '{key}' has {[m['role'] for m in side]} after the prompt; expected one "
+                                f"assistant message (the response)")
+        chosen, rejected = sides[0][0]["content"], sides[1][0]["content"]
+    elif prompt is None:
+        if config.prompt_key is not None:
+            raise DataError(f"{where}: key '{config.prompt_key}' missing (prompt_key='{config.prompt_key}'); for transcripts "
+                            f"with no prompt column set prompt_key: null")
+        k = _transcript_prompt(chosen, rejected, config.prompt_marker)
+        if k == 0:
+            raise DataError(f"{where}: '{config.chosen_key}' and '{config.rejected_key}' share no prefix to take the prompt "
+                            f"from (prompt_key: null)")
+        prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
+        for key, text in ((config.chosen_key, chosen), (config.rejected_key, rejected)):
+            if not text.strip():
+                raise DataError(f"{where}: field '{key}' has no response after the shared prompt {prompt[-40:]!r}")
+    if chosen.strip() == rejected.strip():
+        raise DataError(
+            f"{where}: '{config.chosen_key}' equals '{config.rejected_key}' ({chosen!r:.60}); a pair needs two different responses"
+        )
+    margin = 0.0
+    if config.margin_key is not None:
+        margin = _number(row, config.margin_key, where, f"margin_key='{config.margin_key}'")
+    elif config.score_keys is not None:
+        a, b = config.score_keys
+        margin = _number(row, a, where, f"score_keys={list(config.score_keys)}") - _number(row, b, where, f"score_keys={list(config.score_keys)}")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": margin}
+
+
 def check_pair_row(config: DataConfig):
     def check(row: dict, where: str) -> None:
-        require_text(row, config.prompt_key, where, "prompt_key", allow_messages=True)
-        chosen = require_text(row, config.chosen_key, where, "chosen_key")
-        rejected = require_text(row, config.rejected_key, where, "rejected_key")
-        if chosen.strip() == rejected.strip():
-            raise DataError(
-                f"{where}: '{config.chosen_key}' equals '{config.rejected_key}' ({chosen!r:.60}); a pair needs two different responses"
-            )
-        if config.margin_key is not None:
-            m = row.get(config.margin_key)
-            if isinstance(m, bool) or not isinstance(m, int | float):
-                raise DataError(f"{where}: field '{config.margin_key}' is {m!r}; expected a number (margin_key='{config.margin_key}')")
+        pair_of(row, config, where)
 
     return check
 
 
 def tokenize_pair(row: dict, tokenizer, config: DataConfig) -> PairExample:
-    prompt = row[config.prompt_key]
+    """Token ids of a preference row (any shape :func:`pair_of` reads)."""
+    return _tokenize(pair_of(row, config, "row"), tokenizer, config)
+
+
+def _tokenize(pair: dict, tokenizer, config: DataConfig) -> PairExample:
+    prompt = pair["prompt"]
 
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     return PairExample(
         prompt_ids=ids(render_prompt(tokenizer, prompt, config)),
-        chosen_ids=ids(render_response(tokenizer, prompt, row[config.chosen_key], config)),
-        rejected_ids=ids(render_response(tokenizer, prompt, row[config.rejected_key], config)),
-        margin=float(row[config.margin_key]) if config.margin_key else 0.0,
+        chosen_ids=ids(render_response(tokenizer, prompt, pair["chosen"], config)),
+        rejected_ids=ids(render_response(tokenizer, prompt, pair["rejected"], config)),
+        margin=pair["margin"],
     )
 
 
@@ -76,15 +155,16 @@ def prepare_pairs(config: DataConfig, tokenizer) -> tuple[list[PairExample], Pre
     report = PrepReport(rows=len(rows))
     bound = char_bound(tokenizer, config.max_len)
     pairs = []
-    for row in rows:
+    for raw in rows:
+        row = pair_of(raw, config, "row")
         # the prompt with the longer response is what must fit: a row beyond the character bound cannot
-        if text_chars(row[config.prompt_key]) + max(len(row[config.chosen_key]), len(row[config.rejected_key])) > bound:
-            if config.overflow == "drop" or text_chars(row[config.prompt_key]) > bound:
+        if text_chars(row["prompt"]) + max(len(row["chosen"]), len(row["rejected"])) > bound:
+            if config.overflow == "drop" or text_chars(row["prompt"]) > bound:
                 report.dropped += 1
                 continue
             report.clipped += 1
-            row = {**row, config.chosen_key: row[config.chosen_key][:bound], config.rejected_key: row[config.rejected_key][:bound]}
-        p = tokenize_pair(row, tokenizer, config)
+            row = {**row, "chosen": row["chosen"][:bound], "rejected": row["rejected"][:bound]}
+        p = _tokenize(row, tokenizer, config)
         longest = len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
         if longest > config.max_len:
             room = config.max_len - len(p.prompt_ids)
