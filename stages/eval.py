@@ -3,8 +3,8 @@
 Per checkpoint, on held-out prompts rendered exactly as in training (chat template or
 ``input_template``) and handed to vLLM as token ids:
 
-- ``accuracy``: pass@1 with greedy decoding, graded by the task's checker (the built-in addition
-  task: the last integer in the response must equal the label);
+- ``accuracy``: pass@1 with greedy decoding, graded by the config's ``grader`` (stages.common.graders; the
+  default ``arithmetic``: the last integer in the response must equal the label; ``math``: math-verify);
 - ``pass@k``: from ``num_samples`` samples per prompt at ``temperature``, the unbiased estimator of
   Chen et al. 2021 (``1 - C(n-c, k) / C(n, k)``);
 - ``response_length``: mean greedy response tokens;
@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
+from stages.common.graders import grade, load_grader
 from stages.common.launcher import launch
 from stages.common.stage import POLICY, REPORT, REWARD, Input, StageRun, StageSpec, cli_run
 
@@ -48,6 +49,9 @@ class EvalConfig(BaseModel):
     num_samples: int = Field(8, ge=0)  # sampled responses per prompt, for pass@k and the KL estimate (0: greedy only)
     pass_k: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
+    # what grades a response against the row's label (stages.common.graders): a built-in name (arithmetic:
+    # the embedded task; math: math-verify with #### / \\boxed{} extraction), module:function or file.py[:function]
+    grader: str = "arithmetic"
     timeout_s: float = Field(6 * 3600.0, gt=0)  # deadline of each generation / scoring subprocess
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"  # vLLM's dtype (float32: exact log-probs for the KL)
@@ -109,6 +113,7 @@ def run_eval(
     if config.num_samples and config.pass_k > config.num_samples:
         raise ValueError(f"eval: pass_k={config.pass_k} needs num_samples >= pass_k (got num_samples={config.num_samples})")
     rows = load_rows(config.data, check_prompt_label_row(config.data))
+    load_grader(config.grader)  # a bad reference fails here, before any model loads
     for ref in models.values():
         verify(ref)
         require_kind(ref, ("full",), "a model to evaluate (merge adapters first)")
@@ -186,20 +191,20 @@ def generate_rank(job: dict, rank: int, world_size: int) -> dict:
     from transformers import AutoTokenizer
 
     from datasets_prep.sft import render_prompt
-    from datasets_prep.synthetic import is_correct
     from stages.common.generation import generate, make_llm
 
     config = EvalConfig.model_validate(job["config"])
+    grader = load_grader(config.grader)
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     rows = job["rows"]
-    labels = [str(r[config.data.label_key]) for r in rows]
+    labels = [r[config.data.label_key] for r in rows]
     prompts = [
         tokenizer(render_prompt(tokenizer, r[config.data.prompt_key], config.data), add_special_tokens=False)["input_ids"]
         for r in rows
     ]
     llm = make_llm(job["model"], seed=config.seed, dtype=config.dtype)
     greedy = [g[0] for g in generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=0.0)]
-    correct = [is_correct(o.text, a) for o, a in zip(greedy, labels, strict=True)]
+    correct = [grade(grader, o.text, a, f"row {i + 1}") for i, (o, a) in enumerate(zip(greedy, labels, strict=True))]
     out = {
         "accuracy": sum(correct) / len(correct),
         "response_length": sum(len(o.token_ids) for o in greedy) / len(greedy),
@@ -212,7 +217,8 @@ def generate_rank(job: dict, rank: int, world_size: int) -> dict:
     if config.num_samples:
         sampled = generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                            n=config.num_samples, seed=config.seed)
-        hits = [sum(is_correct(c.text, a) for c in group) for group, a in zip(sampled, labels, strict=True)]
+        hits = [sum(grade(grader, c.text, a, f"row {i + 1}") >= 1.0 for c in group)
+                for i, (group, a) in enumerate(zip(sampled, labels, strict=True))]
         out["pass_at_k"] = sum(pass_at_k(config.num_samples, c, config.pass_k) for c in hits) / len(hits)
         out["samples"] = [[c.prompt_ids, c.token_ids] for group in sampled for c in group]
         out["sample_logps"] = _response_logps(llm, out["samples"])
@@ -258,7 +264,7 @@ SPEC = StageSpec(
     "eval", EvalConfig, run_eval,
     (Input("models", (POLICY,), field="models", required=True, many=True), Input("reward_model", (REWARD,), field="reward_model"),
      Input("reference", (POLICY,), field="reference")),
-    output=REPORT, files=("data.paths",), result=EvalReport, existing=existing_report,
+    output=REPORT, files=("data.paths", "grader"), plugins=("grader",), result=EvalReport, existing=existing_report,
 )
 
 if __name__ == "__main__":

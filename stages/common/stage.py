@@ -103,6 +103,7 @@ class StageSpec:
     # the output's kind, or a function of (config, {input name: kind(s) wired to it}) giving it
     output: str | Callable[[BaseModel, Mapping[str, Any]], str] = POLICY
     files: tuple[str, ...] = ()  # dotted config fields naming local files or folders (a string or a list)
+    plugins: tuple[str, ...] = ()  # those of ``files`` that may name code as ``file.py:name`` or ``module:name``
     result: type[BaseModel] = CheckpointRef
     existing: Callable[[StageRun], Any] = committed_checkpoint  # a finished output under an identity, or None
 
@@ -147,6 +148,12 @@ class StageSpec:
             for item in [value] if isinstance(value, str) else value or []:
                 if item not in found and item not in ("", ".") and os.path.exists(item):
                     found[item] = path_digest(item)
+                elif item and dotted in self.plugins and item not in found:  # file.py:name, module:name
+                    from stages.common.plugins import source_file
+
+                    src = source_file(item)
+                    if src is not None:
+                        found[item] = path_digest(src)
         return found
 
     def resolve_inputs(self, config: BaseModel, given: Mapping[str, InputValue]) -> dict[str, InputValue]:

@@ -168,6 +168,9 @@ class RLConfig(BaseModel):
     data: DataConfig
     eval_data: DataConfig | None = None
     eval_steps: int = Field(0, ge=0)  # greedy held-out accuracy every N steps (and at the end); 0 = only at the end
+    # what grades the held-out responses (stages.common.graders: a built-in name, module:function or file.py);
+    # unset: the reward source's scores (a reward model: its mean score)
+    eval_grader: str | None = None
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     reward: RewardSourceConfig = RewardSourceConfig()

@@ -231,6 +231,10 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
     rows = load_rows(config.data, check_prompt_label_row(config.data))
     eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
+    if config.eval_grader:
+        from stages.common.graders import load_grader
+
+        load_grader(config.eval_grader)  # a bad reference fails here, before Ray starts
     if len(rows) < config.rollout.rollout_batch_size:
         raise ValueError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
     with run.claimed() as run_dir, staging(run_dir / "checkpoint") as tmp, ray_cluster(config):
@@ -309,6 +313,11 @@ class RLLoop:
         from stages.rl.rollout import RolloutEngine
 
         self.cfg, self.tok, self.rows, self.eval_rows, self.reward_fn, self.run_dir = cfg, tokenizer, rows, eval_rows, reward_fn, run_dir
+        self.grader = None
+        if cfg.eval_grader:
+            from stages.common.graders import load_grader
+
+            self.grader = load_grader(cfg.eval_grader)
         self.policy_path = policy_path
         self.plan = StepPlan.of(cfg)
         n = cfg.train.world_size
@@ -487,6 +496,13 @@ class RLLoop:
             return {}
         groups = self.generate([self._render(r) for r in self.eval_rows], 1, 0.0, self.cfg.seed)
         samples = Samples.of(list(range(len(self.eval_rows))), groups, self.tok.pad_token_id, with_logp=False)
+        if self.grader is not None:
+            from stages.common.graders import grade
+
+            label = self.cfg.eval_data.label_key
+            hits = [grade(self.grader, self.tok.decode(r, skip_special_tokens=True), row[label], f"eval row {i + 1}")
+                    for i, (r, row) in enumerate(zip(samples.response_ids, self.eval_rows, strict=True))]
+            return {"eval_accuracy": sum(hits) / len(hits)}
         scores = self.rewards(self.eval_rows, samples)["scores"]
         return {"eval_accuracy" if self.reward_actor is None else "eval_reward": scores.mean().item()}
 
@@ -629,7 +645,7 @@ SPEC = StageSpec(
     (Input("policy", (POLICY,), field="base"), Input("reward_model", (REWARD,), field="reward.model"),
      Input("critic", (REWARD, POLICY), field="critic.model", needed=lambda config: StepPlan.of(config).values)),
     output=trained_output(POLICY, ADAPTER),
-    files=("data.paths", "eval_data.paths", "reward.func"),
+    files=("data.paths", "eval_data.paths", "reward.func", "eval_grader"), plugins=("reward.func", "eval_grader"),
 )
 
 if __name__ == "__main__":

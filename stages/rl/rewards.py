@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.util
 import json
 import math
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,20 +28,11 @@ class RewardError(RuntimeError):
     """A reward source failed or returned something unusable; the message names the source."""
 
 
-def load_reward_func(path: str) -> Callable[..., Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise RewardError(f"reward func {path}: not found")
-    spec = importlib.util.spec_from_file_location(f"reward_func_{abs(hash(str(p.resolve())))}", p)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise RewardError(f"reward func {path}: failed to import ({type(e).__name__}: {e})") from e
-    func = getattr(module, "reward_func", None)
-    if not callable(func):
-        raise RewardError(f"reward func {path}: defines no callable 'reward_func(queries, prompts, labels)'")
-    return func
+def load_reward_func(ref: str) -> Callable[..., Any]:
+    """``reward_func`` of a file, or the function a ``file.py:name`` / ``module:name`` reference names."""
+    from stages.common.plugins import load_callable
+
+    return load_callable(ref, "reward_func", "reward func", "(queries, prompts, labels)", RewardError)
 
 
 def _as_tensor(values: Any, n: int, what: str, source: str) -> torch.Tensor:

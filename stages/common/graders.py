@@ -1,0 +1,72 @@
+"""Graders: is a response right for a row's label? Used by the eval stage's accuracy and pass@k, and by RL's
+held-out eval (``eval_grader``).
+
+A grader is ``grader(response: str, label) -> bool | float`` (a float in [0, 1] counts as partial credit).
+``grader`` in a recipe is a built-in name or a reference for :func:`stages.common.plugins.load_callable`
+(``module:function``, ``file.py``, ``file.py:function``; a file's default function is ``grade``):
+
+- ``arithmetic``: the embedded addition task (the response's last integer equals the label);
+- ``math``: math answers with ``math-verify`` (as OpenRLHF): the answer is what follows the last ``####``
+  (GSM8K) or the last ``\\boxed{}``, else the last number or expression math-verify finds; the label may be a
+  GSM8K solution (its ``#### N``), a number or LaTeX. Equal values match (``1/2`` and ``0.5``).
+
+``math_reward_func`` is the same check as an OpenRLHF ``reward_func``
+(``reward.func: stages.common.graders:math_reward_func``).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from stages.common.plugins import load_callable
+
+BUILTIN = {"arithmetic": "datasets_prep.synthetic:is_correct", "math": "stages.common.graders:math_correct"}
+_HASHES = re.compile(r"####\s*(.+)")
+
+
+def resolve(ref: str) -> str:
+    return BUILTIN.get(ref, ref)
+
+
+def load_grader(ref: str) -> Callable[[str, Any], bool | float]:
+    return load_callable(resolve(ref), "grade", "grader", "(response, label)")
+
+
+def grade(grader: Callable[[str, Any], Any], response: str, label: Any, where: str) -> float:
+    """The grader's verdict as a number in [0, 1]; an error names the grader's input."""
+    try:
+        value = grader(response, label)
+    except Exception as e:
+        raise RuntimeError(f"grader raised {type(e).__name__}: {e} on {where} (response {response[:60]!r}, label {label!r:.40})") from e
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
+        raise RuntimeError(f"grader returned {value!r} on {where}; expected a bool or a number in [0, 1]")
+    return float(value)
+
+
+def _answer_text(text: str) -> str:
+    """The part of a response or label that holds the answer: after the last ``####``, else all of it."""
+    found = _HASHES.findall(text)
+    return found[-1].strip().replace(",", "") if found else text
+
+
+def math_correct(response: str, label: Any) -> bool:
+    from math_verify import parse, verify
+
+    # math-verify's own timeouts use SIGALRM, which only the main thread may set
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold_text = _answer_text(str(label))
+    gold = parse(gold_text, parsing_timeout=timeout) or parse(f"${gold_text}$", parsing_timeout=timeout)
+    answer = parse(_answer_text(response), parsing_timeout=timeout)
+    if not gold or not answer:
+        return False
+    return bool(verify(gold, answer, timeout_seconds=timeout))
+
+
+def math_reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, list[float]]:
+    rewards = [float(math_correct(q[len(p):] if q.startswith(p) else q, lab)) for q, p, lab in zip(queries, prompts, labels)]
+    return {"rewards": rewards, "scores": rewards}
