@@ -111,16 +111,30 @@ class RewardSourceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    func: str | None = None
-    url: str | None = None
+    func: str | None = None  # file.py (its reward_func), file.py:name or module:name
+    # one endpoint, or several: each call's samples are split into one contiguous batch per endpoint, sent at once
+    url: str | list[str] | None = None
+    # openrlhf: POST {"query", "prompts", "labels"} (OpenRLHF's remote reward servers and serve_rm);
+    # queries: POST {"queries", "prompts", "labels"}. Both answer {"rewards", "scores"?, "extra_logs"?}
+    protocol: Literal["openrlhf", "queries"] = "openrlhf"
+    # the environment variable holding a token sent as "Authorization: Bearer <token>" (never logged)
+    token_env: str | None = None
     model: str | None = None  # from the CLI; flows pass the reward model's reference
     timeout_s: float = 30.0  # the deadline of one reward call: connect, send, read and every retry
     retries: int = 3  # more attempts after a transport error, 5xx, 408 or 429 (never after another 4xx)
 
     @model_validator(mode="after")
     def _check(self) -> RewardSourceConfig:
-        check_endpoint(self.url or "http://unset", self.timeout_s, self.retries)
+        urls = [self.url] if isinstance(self.url, str) else self.url
+        if urls is not None and not urls:
+            raise ValueError("reward.url: an empty list; give one endpoint or several")
+        for u in urls or ["http://unset"]:
+            check_endpoint(u, self.timeout_s, self.retries)
         return self
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url] if isinstance(self.url, str) else list(self.url or [])
 
 
 class CriticConfig(BaseModel):

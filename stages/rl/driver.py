@@ -92,7 +92,8 @@ def make_reward_source(cfg: RLConfig):
     if cfg.reward.func:
         return FuncReward(cfg.reward.func)
     if cfg.reward.url:
-        return HttpReward(cfg.reward.url, cfg.reward.timeout_s, cfg.reward.retries)
+        r = cfg.reward
+        return HttpReward(r.urls, r.timeout_s, r.retries, protocol=r.protocol, token_env=r.token_env)
     raise RewardError("reward: no source given (set reward.func, reward.url or reward.model)")
 
 

@@ -78,23 +78,39 @@ class _Deadline(Exception):
 
 
 class HttpReward:
-    """POST ``{"queries", "prompts", "labels"}`` as JSON; the answer is the same dict as a reward_func's.
+    """POST the samples as JSON to one endpoint or several; the answer is the same dict as a reward_func's.
 
+    ``protocol`` ``openrlhf`` sends ``{"query", "prompts", "labels"}`` (OpenRLHF's remote reward servers,
+    ``stages.serve_rm``); ``queries`` sends ``{"queries", "prompts", "labels"}``. With several endpoints the
+    samples are split into one contiguous batch per endpoint, posted at once, and the answers joined in order.
     ``timeout_s`` is the deadline of the whole call: connecting, sending, reading (however slowly the
     server drips its answer) and every retry. 5xx answers, 408/429 and transport errors are retried (with
     a short backoff, within the deadline); other 4xx answers are final. A user and password in the URL are
-    sent as HTTP Basic auth; errors name the endpoint without them or the query string.
+    sent as HTTP Basic auth, the token in the environment variable ``token_env`` as a Bearer token; errors
+    name the endpoint without them or the query string, and never show the token.
     """
 
-    def __init__(self, url: str, timeout_s: float, retries: int):
-        check_endpoint(url, timeout_s, retries)
-        self.url, self.timeout_s, self.retries = url, timeout_s, retries
-        self.source = f"reward endpoint {endpoint_name(url)}"
+    def __init__(self, url: str | list[str], timeout_s: float, retries: int, protocol: str = "openrlhf",
+                 token_env: str | None = None):
+        import os
 
-    def _post(self, body: bytes, deadline: float) -> tuple[int, str, bytes]:
+        self.urls = [url] if isinstance(url, str) else list(url)
+        for u in self.urls:
+            check_endpoint(u, timeout_s, retries)
+        self.url = self.urls[0]
+        self.timeout_s, self.retries, self.protocol = timeout_s, retries, protocol
+        self.source = f"reward endpoint {endpoint_name(self.url)}"
+        self.token = None
+        if token_env is not None:
+            self.token = os.environ.get(token_env)
+            if not self.token:
+                raise RewardError(f"reward.token_env: the environment variable {token_env} is not set (or empty); "
+                                  f"it should hold the reward server's token")
+
+    def _post(self, url: str, body: bytes, deadline: float) -> tuple[int, str, bytes]:
         import http.client
 
-        u = urllib.parse.urlsplit(self.url)
+        u = urllib.parse.urlsplit(url)
         left = deadline - time.monotonic()
         if left <= 0:
             raise _Deadline
@@ -104,6 +120,8 @@ class HttpReward:
         if u.username is not None:
             cred = f"{urllib.parse.unquote(u.username)}:{urllib.parse.unquote(u.password or '')}"
             headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
+        if self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token}"
         watchdog = None
         try:
             conn.connect()  # bounded by the socket timeout (what is left of the deadline)
@@ -127,14 +145,30 @@ class HttpReward:
             conn.close()
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout_s
+        if len(self.urls) == 1:
+            return self._call(self.url, queries, prompts, labels, deadline)
+        from concurrent.futures import ThreadPoolExecutor
+
+        n, k = len(queries), min(len(self.urls), len(queries))
+        bounds = [(i * n // k, (i + 1) * n // k) for i in range(k)]
+        with ThreadPoolExecutor(k) as pool:
+            parts = list(pool.map(lambda ib: self._call(self.urls[ib[0]], *(x[ib[1][0]:ib[1][1]] for x in (queries, prompts, labels)),
+                                                         deadline), enumerate(bounds)))
+        return {"rewards": torch.cat([p["rewards"] for p in parts]), "scores": torch.cat([p["scores"] for p in parts]),
+                "extra_logs": {key: torch.cat([p["extra_logs"][key] for p in parts]) for key in parts[0]["extra_logs"]
+                               if all(key in p["extra_logs"] for p in parts)}}
+
+    def _call(self, url: str, queries: list[str], prompts: list[str], labels: list[Any], deadline: float) -> dict[str, Any]:
         import http.client
 
-        body = json.dumps({"queries": queries, "prompts": prompts, "labels": labels}).encode()
-        deadline = time.monotonic() + self.timeout_s
+        source = f"reward endpoint {endpoint_name(url)}"
+        key = "query" if self.protocol == "openrlhf" else "queries"
+        body = json.dumps({key: queries, "prompts": prompts, "labels": labels}).encode()
         errors = []
         for attempt in range(self.retries + 1):
             try:
-                status, reason, data = self._post(body, deadline)
+                status, reason, data = self._post(url, body, deadline)
             except _Deadline:
                 errors.append(f"attempt {attempt + 1}: cut off at the deadline")
                 break
@@ -145,11 +179,11 @@ class HttpReward:
                     try:
                         result = json.loads(data.decode("utf-8"))
                     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                        raise RewardError(f"{self.source}: HTTP {status} but the body is not UTF-8 JSON "
+                        raise RewardError(f"{source}: HTTP {status} but the body is not UTF-8 JSON "
                                           f"({type(e).__name__}: {e}; first bytes {data[:60]!r})") from e
-                    return check_result(result, len(queries), self.source)
+                    return check_result(result, len(queries), source)
                 if 400 <= status < 500 and status not in (408, 429):
-                    raise RewardError(f"{self.source}: HTTP {status} {reason} (a client error: not retried)")
+                    raise RewardError(f"{source}: HTTP {status} {reason} (a client error: not retried)")
                 errors.append(f"attempt {attempt + 1}: HTTP {status} {reason}")
             if attempt == self.retries:
                 break
@@ -159,7 +193,7 @@ class HttpReward:
                 break
             time.sleep(pause)
         tried = sum(e.startswith("attempt") for e in errors)
-        raise RewardError(f"{self.source}: no answer after {tried} attempt(s) within the {self.timeout_s:g} s deadline "
+        raise RewardError(f"{source}: no answer after {tried} attempt(s) within the {self.timeout_s:g} s deadline "
                           f"(reward.timeout_s; retries {self.retries}): {'; '.join(errors)}")
 
 

@@ -75,7 +75,7 @@ def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files
     # and then nothing moves (all advantages 0) and the KL stays 0
     cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), rollout__temperature=0.7, algo__entropy_coef=0.01,
                   algo__init_kl_coef=0.05, algo__kl_estimator="k3", eval_data={"paths": [str(task_files["eval"])],
-                  "prompt_key": "prompt", "label_key": "answer"})
+                  "prompt_key": "prompt", "label_key": "answer"}, eval_grader="arithmetic")
     ref = run_rl(cfg, sft_policy)
     verify(ref)
     m = read_manifest(ref.path)
@@ -91,7 +91,9 @@ def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files
     assert steps[-1]["kl"] > 0  # and has moved since
     for key in ("reward_mean", "accuracy", "entropy", "clip_ratio", "response_length", "generate_s", "train_s", "sync_s"):
         assert key in steps[-1]
-    assert 0.0 <= m.extra["final_eval"]["eval_accuracy"] <= 1.0
+    # held-out accuracy from the task's grader (not the toy reward): a count of right answers over the rows
+    n_eval = sum(1 for _ in open(task_files["eval"]))
+    assert (m.extra["final_eval"]["eval_accuracy"] * n_eval) == pytest.approx(round(m.extra["final_eval"]["eval_accuracy"] * n_eval))
     new = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
     old = AutoModelForCausalLM.from_pretrained(sft_policy.path, dtype=torch.float32)
     assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
@@ -145,16 +147,61 @@ class _Listeners:
                 self.refused = "CONNECTED" if "CONNECTED" in r.stdout else r.stderr
 
 
-def test_toy_reward_rises_within_a_few_steps_on_a_loopback_cluster_with_auth(task_files, sft_policy, tmp_path):
-    """Reward 1 for answers starting with the digit 1: a tiny model learns it in a handful of steps. Meanwhile
-    every listener of the run is on loopback, and a client without the cluster's token is refused."""
+class _OpenRLHFRewardServer:
+    """A remote reward server speaking OpenRLHF's protocol ({"query", "prompts", "labels"} -> {"rewards",
+    "scores"}) with a bearer token: reward 1 for responses starting with the digit 1."""
+
+    def __init__(self, token: str):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        calls = self.calls = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.headers.get("Authorization") != f"Bearer {token}":
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                calls.append(sorted(body))
+                r = [1.0 if q[len(p):].startswith("1") else 0.0 for q, p in zip(body["query"], body["prompts"])]
+                data = json.dumps({"rewards": r, "scores": r, "extra_logs": {}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_toy_reward_rises_within_a_few_steps_on_a_loopback_cluster_with_auth(task_files, sft_policy, tmp_path, monkeypatch):
+    """Reward 1 for answers starting with the digit 1, from a remote reward server in OpenRLHF's protocol: a
+    tiny model learns it in a handful of steps. Meanwhile every listener of the run is on loopback, and a
+    client without the cluster's token is refused."""
     import ipaddress
 
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=8, train__world_size=1, train__zero_stage=2,
+    monkeypatch.setenv("TOY_RM_TOKEN", "toy-token")
+    server = _OpenRLHFRewardServer("toy-token")
+    reward = {"url": server.url, "protocol": "openrlhf", "token_env": "TOY_RM_TOKEN"}
+    cfg = _config(task_files, tmp_path, None, reward=reward, max_steps=8, train__world_size=1, train__zero_stage=2,
                   rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
                   train__lr=3e-3, algo__advantage_estimator="reinforce_baseline")
-    with _Listeners() as listeners:
-        steps = _metrics(run_rl(cfg, sft_policy))
+    try:
+        with _Listeners() as listeners:
+            steps = _metrics(run_rl(cfg, sft_policy))
+    finally:
+        server.close()
+    assert len(server.calls) == 8 and server.calls[0] == ["labels", "prompts", "query"]  # one call per step
     first, last = sum(s["reward_mean"] for s in steps[:2]) / 2, sum(s["reward_mean"] for s in steps[-2:]) / 2
     assert last > first + 0.25, [round(s["reward_mean"], 3) for s in steps]
     names = {n for n, _, _ in listeners.seen}

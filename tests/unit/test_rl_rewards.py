@@ -47,11 +47,13 @@ class _Handler(BaseHTTPRequestHandler):
     calls = 0
     mode = "ok"
     auth = None
+    bodies: list = []
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         type(self).calls += 1
         type(self).auth = self.headers.get("Authorization")
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append((self.path, body))
         if self.mode in ("fail", "bad_request"):
             self.send_response(500 if self.mode == "fail" else 400)
             self.end_headers()
@@ -78,8 +80,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(503)
             self.end_headers()
             return
-        rewards = [float(q.endswith(str(lab))) for q, lab in zip(body["queries"], body["labels"])]
-        data = json.dumps({"rewards": rewards, "extra_logs": {"length": [len(q) for q in body["queries"]]}}).encode()
+        queries = body["query"] if "query" in body else body["queries"]  # OpenRLHF's protocol, or ours
+        rewards = [float(q.endswith(str(lab))) for q, lab in zip(queries, body["labels"])]
+        data = json.dumps({"rewards": rewards, "scores": [r * 10 for r in rewards],
+                           "extra_logs": {"length": [len(q) for q in queries]}}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
@@ -95,6 +99,7 @@ def server():
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     _Handler.calls = 0
+    _Handler.bodies = []
     yield httpd, f"http://127.0.0.1:{httpd.server_address[1]}/reward"
     httpd.shutdown()
     httpd.server_close()
@@ -109,6 +114,34 @@ def test_http_reward_against_a_local_server(server):
     _Handler.calls = 0
     assert HttpReward(url, timeout_s=5, retries=2)(["x2"], ["x"], ["2"])["rewards"].tolist() == [1.0]
     assert _Handler.calls == 2
+
+
+def test_openrlhf_protocol_several_endpoints_and_a_bearer_token(server, monkeypatch):
+    """OpenRLHF's remote-reward shapes: {"query", "prompts", "labels"} -> {"rewards", "scores", "extra_logs"};
+    with two endpoints each gets one contiguous half, and the answers are joined in order."""
+    httpd, url = server
+    _Handler.mode = "ok"
+    queries, prompts, labels = ["1+1=2", "1+1=3", "2+2=4", "2+2=5", "3+3=6"], ["1+1="] * 2 + ["2+2="] * 2 + ["3+3="], list("22446")
+    out = HttpReward(url, timeout_s=5, retries=0)(queries, prompts, labels)
+    assert _Handler.bodies == [("/reward", {"query": queries, "prompts": prompts, "labels": labels})]
+    assert out["rewards"].tolist() == [1.0, 0.0, 1.0, 0.0, 1.0] and out["scores"].tolist() == [10.0, 0.0, 10.0, 0.0, 10.0]
+    _Handler.bodies = []
+    assert HttpReward(url, 5, 0, protocol="queries")(queries[:1], prompts[:1], labels[:1])["rewards"].tolist() == [1.0]
+    assert list(_Handler.bodies[0][1]) == ["queries", "prompts", "labels"]
+    _Handler.bodies = []
+    monkeypatch.setenv("RM_TOKEN", "tok-s3cret")
+    two = HttpReward([url, url.replace("/reward", "/other")], 5, 0, token_env="RM_TOKEN")
+    out = two(queries, prompts, labels)
+    assert out["rewards"].tolist() == [1.0, 0.0, 1.0, 0.0, 1.0] and out["extra_logs"]["length"].tolist() == [5.0] * 5
+    assert sorted((path, body["query"]) for path, body in _Handler.bodies) == [("/other", queries[2:]), ("/reward", queries[:2])]
+    assert _Handler.auth == "Bearer tok-s3cret"
+    _Handler.mode = "fail"
+    with pytest.raises(RewardError) as err:
+        two(queries, prompts, labels)
+    assert "tok-s3cret" not in str(err.value) and "HTTP 500" in str(err.value)
+    monkeypatch.delenv("RM_TOKEN")
+    with pytest.raises(RewardError, match=r"reward.token_env: the environment variable RM_TOKEN is not set"):
+        HttpReward(url, 5, 0, token_env="RM_TOKEN")
 
 
 def test_http_reward_gives_up_naming_the_url(server):
