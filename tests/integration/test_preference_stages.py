@@ -13,6 +13,8 @@ from stages.lora_merge import LoraMergeConfig, run_lora_merge
 from stages.reward_model import RewardModelConfig, pair_rewards, run_reward_model
 from stages.sft import SFTConfig, run_sft
 
+ROOT = Path(__file__).resolve().parents[2]
+
 pytestmark = pytest.mark.integration
 
 TRAIN = {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 4, "warmup_ratio": 0.0, "progress_bar": False}
@@ -70,6 +72,58 @@ def test_reward_model_zero3_two_ranks_learns_and_loads_in_auto_class(task_files,
     assert allr.mean().item() == pytest.approx(stats["reward_mean"], abs=1e-5)
     base = AutoModelForSequenceClassification.from_pretrained(sft_model.path, num_labels=1, dtype=torch.float32)
     assert not torch.equal(base.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    _serve_rm_scores_like_the_stage(ref, pairs, tokenizer, chosen, rejected, stats)
+
+
+def _serve_rm_scores_like_the_stage(ref, pairs, tokenizer, chosen, rejected, stats):
+    """`python -m stages.serve_rm` (uvicorn on 127.0.0.1, a bearer token) scores the eval pairs' texts in
+    OpenRLHF's protocol: the stage's normalised scores, so the same pairs come out ahead."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RM_TOKEN": "rm-secret"}
+    proc = subprocess.Popen([sys.executable, "-m", "stages.serve_rm", ref.path, "--port", str(port), "--token-env", "RM_TOKEN"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer rm-secret"}
+
+    def call(path, body=None, headers=auth):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json", **headers})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                health = call("/health")
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "no answer"
+                time.sleep(0.5)
+        assert health["status"] == "ok" and health["normalized"] is True and health["digest"] == ref.digest
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            call("/health", headers={})
+        texts = [tokenizer.decode(p.prompt_ids + p.chosen_ids) for p in pairs]
+        texts += [tokenizer.decode(p.prompt_ids + p.rejected_ids) for p in pairs]
+        out = call("/get_reward", {"query": texts, "prompts": [""] * len(texts), "labels": [None] * len(texts)})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    served = torch.tensor(out["rewards"])
+    n = len(pairs)
+    want = (torch.cat([chosen, rejected]) - stats["reward_mean"]) / stats["reward_std"]
+    assert torch.allclose(served, want, atol=1e-4)
+    assert torch.equal(served[:n] > served[n:], chosen > rejected)
 
 
 def test_dpo_zero3_two_ranks_learns_and_both_reference_modes_agree(task_files, sft_model, micro_model, tmp_path):
