@@ -31,6 +31,7 @@ class DataConfig(BaseModel):
     paths: list[str]
     dataset_probs: list[float] | None = None
     split: str = "train"
+    subset: str | None = None  # a hub dataset's configuration name (load_dataset's `name`, e.g. "main" for openai/gsm8k)
     max_samples: int | None = Field(None, ge=1)
     # Field names in the rows (OpenRLHF's --input_key etc.). For SFT, `input_key` may hold a list of
     # chat messages (multi-turn; loss on assistant turns only) and `output_key` may then be null.
@@ -155,7 +156,7 @@ def _cause(e: BaseException) -> BaseException:
     return e
 
 
-def load_source(path: str, split: str = "train"):
+def load_source(path: str, split: str = "train", subset: str | None = None):
     """One source as a ``datasets.Dataset``."""
     import datasets
 
@@ -179,7 +180,7 @@ def load_source(path: str, split: str = "train"):
             return datasets.load_dataset(builder, data_files=str(p), split="train")
         if p.suffix.lower() in _FILE_BUILDERS or path.startswith((".", "/")):
             raise DataError(f"{path}: file not found")
-        return datasets.load_dataset(path, split=split)
+        return datasets.load_dataset(path, subset, split=split)
     except DataError:
         raise
     except Exception as e:  # malformed file, unreachable hub, ...: say which source and the parser's reason
@@ -198,7 +199,7 @@ def load_rows(config: DataConfig, check_row=None) -> list[dict]:
 
     parts = []
     for path in config.paths:
-        ds = load_source(path, config.split)
+        ds = load_source(path, config.split, config.subset)
         if len(ds) == 0:
             raise DataError(f"{path}: dataset is empty (split '{config.split}')")
         if check_row is not None:

@@ -31,6 +31,18 @@ def test_the_shipped_pipeline_plans(tmp_path):
     assert all(s.config.output_root == str(tmp_path) for s in p.stages)
 
 
+def test_the_own_model_recipe_plans_offline_with_hub_ids(tmp_path, monkeypatch):
+    """The README's recipe for a user's own model and data: planning reads no model or dataset."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p = plan(ROOT / "recipes/pipelines/own_model.yaml", output_root=str(tmp_path))
+    by = {s.spec.name: s.config for s in p.stages}
+    assert by["sft"].base == "Qwen/Qwen2.5-0.5B-Instruct" and by["rm"].data.paths == ["HuggingFaceH4/ultrafeedback_binarized"]
+    assert by["dpo"].data.score_keys == ("score_chosen", "score_rejected")
+    assert (by["rl"].data.subset, by["rl"].eval_grader, by["eval"].grader) == ("main", "math", "math")
+    assert by["rl"].reward.func == "stages.common.graders:math_reward_func"
+    assert not list(tmp_path.iterdir())  # nothing written, nothing fetched
+
+
 @pytest.mark.parametrize("stages, match", [
     ([{**SFT, "stage": "sfft"}], r"stages\[0\] \(sft\)\.stage: unknown stage 'sfft'"),
     ([{"name": "dpo", "stage": "dpo", "recipe": "recipes/dpo/tiny.yaml", "inputs": {"policy": "sft"}}, SFT],
