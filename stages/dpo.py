@@ -50,6 +50,10 @@ class DPOConfig(BaseModel):
     base: str = "tiny:tiny"  # the starting policy, from the CLI; flows pass the SFT checkpoint
     reference: str | None = None  # from the CLI; None = a frozen copy of the starting policy
     data: DataConfig
+    # held-out pairs: eval_loss, eval_reward_accuracy, eval_chosen/rejected_reward, eval_reward_margin
+    # (per pair) every eval_steps and after the last step
+    eval_data: DataConfig | None = None
+    eval_steps: int = Field(0, ge=0)  # 0: only after the last step
     loss: Literal["dpo", "ipo", "cdpo"] = "dpo"
     beta: float = Field(0.1, gt=0)
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # cDPO's epsilon: the assumed rate of flipped preference labels
@@ -83,6 +87,7 @@ def run_dpo(config: DPOConfig, policy: CheckpointRef, reference: CheckpointRef |
         require_kind(reference, ("full",), "the DPO reference model")
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
     pairs, report = prepare_pairs(config.data, tokenizer)
+    eval_pairs = prepare_pairs(config.eval_data, tokenizer)[0] if config.eval_data else []
     items = pack_pairs(pairs, config.data.max_len) if config.data.packing else pairs
     check_data_fits(config.train, len(items), config.data.paths)
     print(f"[dpo] data: {report.summary()}")
@@ -94,6 +99,7 @@ def run_dpo(config: DPOConfig, policy: CheckpointRef, reference: CheckpointRef |
             "base_path": policy.path,
             "reference_path": reference.path if reference else None,
             "packed": config.data.packing,
+            "eval_pairs": [vars(p) for p in eval_pairs],
         },
         kind="adapter" if config.lora.enabled else "full",
         parent=policy,
@@ -198,15 +204,20 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
         lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, use_safetensors=True),
     )
     micro = config.train.micro_train_batch_size
+    eval_items = pair_items_from_json(job.get("eval_pairs") or [], packed=False)
     ref_engine = None
     if config.precompute_ref_logps:
         if job["reference_path"]:
             ref_engine, keep = build_reference_engine(job["reference_path"], config.train)
-            precompute_reference(ref_engine, items, micro, pad, rank, world_size)
+            for group in (items, eval_items):
+                if group:
+                    precompute_reference(ref_engine, group, micro, pad, rank, world_size)
             del ref_engine, keep  # no reference model in memory while training
             ref_engine = None
         else:  # the policy has not been updated yet: its log-probs are the reference's
-            precompute_reference(eng.engine, items, micro, pad, rank, world_size)
+            for group in (items, eval_items):
+                if group:
+                    precompute_reference(eng.engine, group, micro, pad, rank, world_size)
     else:
         ref_engine, keep = build_reference_engine(job["reference_path"] or job["base_path"], config.train)
 
@@ -218,9 +229,18 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
                 ref_chosen, ref_rejected, _ = pair_logps(ref_engine, batch)
         return dpo_batch_loss(pair_logps(engine, batch), ref_chosen, ref_rejected, config)
 
+    def evaluate() -> dict[str, float]:
+        sums: dict[str, float] = {}
+        for i in range(0, len(eval_items), micro):
+            batch = {k: v.to(trainer.device()) for k, v in collate_pairs(eval_items[i : i + micro], pad).items()}
+            loss_sum, metric_sums = loss_fn(eng.engine, batch)
+            for k, v in {"loss": loss_sum, **metric_sums}.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return {k: v / len(eval_items) for k, v in sums.items()}
+
     history = trainer.fit(
         eng, items, lambda its: collate_pairs(its, pad), loss_fn, num_pairs, config.train, total,
-        Path(job["run_dir"]), rank, world_size,
+        Path(job["run_dir"]), rank, world_size, evaluate=evaluate if eval_items else None, eval_steps=config.eval_steps,
     )
     trainer.export_hf(eng, Path(job["export_dir"]), tokenizer, rank)
     return {"final": history[-1] if history else {}, "first": history[0] if history else {}, "steps": total}
@@ -232,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
 
 SPEC = StageSpec(STAGE, DPOConfig, run_dpo,
                  (Input("policy", (POLICY,), field="base"), Input("reference", (POLICY,), field="reference")),
-                 output=trained_output(POLICY, ADAPTER), files=("data.paths",))
+                 output=trained_output(POLICY, ADAPTER), files=("data.paths", "eval_data.paths"))
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
@@ -32,6 +32,9 @@ class SFTConfig(BaseModel):
     # or tiny:<preset> for the embedded tiny model. Flows pass the base checkpoint instead.
     base: str = "tiny:tiny"
     data: DataConfig
+    # held-out examples (OpenRLHF's eval_dataset): eval_loss (per target token) every eval_steps and at the end
+    eval_data: DataConfig | None = None
+    eval_steps: int = Field(0, ge=0)  # 0: only after the last step
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()
     output_root: str = "runs"
@@ -46,6 +49,7 @@ def run_sft(config: SFTConfig, base: CheckpointRef, *, run: StageRun | None = No
     require_kind(base, ("full",), "the SFT base model")
     tokenizer = AutoTokenizer.from_pretrained(base.path)
     examples, report = prepare_sft(config.data, tokenizer)
+    eval_examples = prepare_sft(config.eval_data, tokenizer)[0] if config.eval_data else []
     items: list[Example] | list[PackedRow] = pack(examples, config.data.max_len) if config.data.packing else examples
     check_data_fits(config.train, len(items), config.data.paths)
     print(f"[sft] data: {report.summary()}" + (f"; packed into {len(items)} rows" if config.data.packing else ""))
@@ -53,7 +57,7 @@ def run_sft(config: SFTConfig, base: CheckpointRef, *, run: StageRun | None = No
         run=run,
         config=config,
         items=items,
-        job={"base_path": base.path, "packed": config.data.packing},
+        job={"base_path": base.path, "packed": config.data.packing, "eval_examples": [vars(e) for e in eval_examples]},
         kind="adapter" if config.lora.enabled else "full",
         parent=base,
         base=base if config.lora.enabled else None,
@@ -90,6 +94,17 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
         lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, use_safetensors=True),
     )
     run_dir = Path(job["run_dir"])
+    eval_items = [Example(**d) for d in job.get("eval_examples") or []]
+
+    def evaluate() -> dict[str, float]:
+        nll, n = 0.0, 0
+        for i in range(0, len(eval_items), config.train.micro_train_batch_size):
+            chunk = eval_items[i : i + config.train.micro_train_batch_size]
+            batch = {k: v.to(trainer.device()) for k, v in collate(chunk, tokenizer.pad_token_id).items()}
+            nll += sft_loss(eng.engine, batch)[0].item()
+            n += sum(loss_tokens(e) for e in chunk)
+        return {"loss": nll / n}
+
     history = trainer.fit(
         eng,
         items,
@@ -101,6 +116,8 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
         run_dir,
         rank,
         world_size,
+        evaluate=evaluate if eval_items else None,
+        eval_steps=config.eval_steps,
     )
     probe = collate(items[: config.train.micro_train_batch_size], tokenizer.pad_token_id)
     logits = trainer.forward_logits(eng, probe)
@@ -117,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 SPEC = StageSpec(STAGE, SFTConfig, run_sft, (Input("base", (POLICY,), field="base"),),
-                 output=trained_output(POLICY, ADAPTER), files=("data.paths",))
+                 output=trained_output(POLICY, ADAPTER), files=("data.paths", "eval_data.paths"))
 
 if __name__ == "__main__":
     main()

@@ -134,6 +134,8 @@ def test_dpo_zero3_two_ranks_learns_and_both_reference_modes_agree(task_files, s
             "data": {**_pairs_data(task_files), "packing": True},
             "beta": 0.5,
             "precompute_ref_logps": precompute,
+            "eval_data": {**_pairs_data(task_files, "preference_eval"), "max_samples": 12},
+            "eval_steps": 5,
             "train": {**TRAIN, "world_size": 2, "zero_stage": 3, "micro_train_batch_size": 2, "max_steps": 10, "lr": 3e-3, **train},
             "output_root": str(tmp_path / root),
         })
@@ -147,6 +149,15 @@ def test_dpo_zero3_two_ranks_learns_and_both_reference_modes_agree(task_files, s
     steps = _metrics(live)
     assert steps[-1]["reward_margin"] > 0 and steps[-1]["loss"] < steps[0]["loss"]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, _metrics(pre))) < 1e-4
+    # held-out pairs at steps 5 and 10: loss, reward accuracy and margins; both reference modes agree, and the
+    # policy has moved past log 2 on pairs it never trained on
+    evals = [s for s in steps if "eval_loss" in s]
+    assert [s["step"] for s in evals] == [5, 10]
+    for a, b in zip(evals, [s for s in _metrics(pre) if "eval_loss" in s]):
+        for key in ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_chosen_reward", "eval_rejected_reward"):
+            assert abs(a[key] - b[key]) < 1e-4, key
+    assert evals[-1]["eval_reward_margin"] == pytest.approx(evals[-1]["eval_chosen_reward"] - evals[-1]["eval_rejected_reward"], abs=1e-6)
+    assert abs(evals[-1]["eval_loss"] - 0.6931471805599453) > 1e-3 and 0.0 <= evals[-1]["eval_reward_accuracy"] <= 1.0
     m = read_manifest(live.path)
     assert (m.kind, m.stage, m.parent) == ("full", "dpo", sft_model.digest)
     new = AutoModelForCausalLM.from_pretrained(live.path, dtype=torch.float32)

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoints import CheckpointError, read_manifest, verify
-from datasets_prep.loading import DataError
+from datasets_prep.loading import DataConfig, DataError
+from datasets_prep.sft import prepare_sft
 from stages.common.launcher import StageFailed
 from stages.common.recipe import RecipeError, load_config
 from stages.sft import SFTConfig, run_sft
@@ -43,9 +44,11 @@ def one_rank_run(task_files, micro_model, tmp_path_factory):
 
 
 def test_two_ranks_zero3_learns_and_exports_the_engine_weights(task_files, micro_model, one_rank_run, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = _config(task_files, tmp_path, world_size=2, zero_stage=3, micro_train_batch_size=2)
+    cfg = cfg.model_copy(update={"eval_steps": 3, "eval_data": DataConfig(
+        paths=[str(task_files["eval"])], input_key="prompt", output_key="answer", max_len=64, max_samples=12)})
     ref = run_sft(cfg, micro_model)
     verify(ref)
     m = read_manifest(ref.path)
@@ -67,6 +70,21 @@ def test_two_ranks_zero3_learns_and_exports_the_engine_weights(task_files, micro
     base = AutoModelForCausalLM.from_pretrained(micro_model.path, dtype=torch.float32)
     changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
     assert len(changed) == len(list(base.parameters()))  # every parameter moved
+    # held-out loss at steps 3 and 6, logged beside the training loss; the last one is the exported model's
+    # mean NLL per target token on the eval examples, computed here with transformers
+    steps = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "eval_loss" in s] == [3, 6]
+    examples, _ = prepare_sft(cfg.eval_data, AutoTokenizer.from_pretrained(ref.path))
+    nll = n = 0.0
+    with torch.no_grad():
+        for ex in examples:
+            ids = torch.tensor([ex.input_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
+            mask = torch.tensor(ex.loss_mask[1:], dtype=torch.float32)
+            nll -= float((picked * mask).sum())
+            n += float(mask.sum())
+    assert steps[-1]["eval_loss"] == pytest.approx(nll / n, rel=1e-4)
     assert no_worker_processes(tmp_path) == []
 
 
