@@ -48,7 +48,8 @@ def _number(row: dict, key: str, where: str, role: str) -> float:
     return float(m)
 
 
-def _shared_messages(chosen: list[dict], rejected: list[dict]) -> int:
+def _shared_len(chosen: Sequence, rejected: Sequence) -> int:
+    """Length of the common prefix of two message lists or two texts."""
     k = 0
     while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
         k += 1
@@ -58,9 +59,7 @@ def _shared_messages(chosen: list[dict], rejected: list[dict]) -> int:
 def _transcript_prompt(chosen: str, rejected: str, marker: str) -> int:
     """Where a transcript pair's prompt ends: after the last ``marker`` in the common prefix; without one, the
     common prefix less a trailing space (TRL's extract_prompt)."""
-    k = 0
-    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
-        k += 1
+    k = _shared_len(chosen, rejected)
     at = chosen.rfind(marker, 0, k)
     if at >= 0:
         return at + len(marker)
@@ -88,7 +87,7 @@ def pair_of(row: dict, config: DataConfig, where: str) -> dict:
             head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             sides = [side[len(head):] if side[: len(head)] == head else side for side in (chosen, rejected)]
         else:
-            k = _shared_messages(chosen, rejected)
+            k = _shared_len(chosen, rejected)
             if k == 0:
                 raise DataError(f"{where}: '{config.chosen_key}' and '{config.rejected_key}' share no leading messages to take "
                                 f"the prompt from; give the prompt in a column (prompt_key)")
