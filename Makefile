@@ -14,8 +14,10 @@ export HF_HUB_OFFLINE ?= 1
 # Prefect's database and cached task results live in the project (make run: ephemeral server, SQLite)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 PORT ?= 4200
+# tests run on this many pytest-xdist workers (most of a test is process start-up and waiting: two share 2 cores well)
+TEST_WORKERS ?= 2
 
-.PHONY: setup run serve nightly test test-unit lint bench bench-rl-gain bench-pipeline clean
+.PHONY: setup run serve server deploy worker nightly test test-unit lint bench bench-rl-gain bench-pipeline clean
 
 setup: $(STAMP)
 
@@ -37,14 +39,28 @@ run: setup
 serve: setup
 	$(PY) -m flows.local_server --port $(PORT)
 
+# the same deployments on a process work pool (prefect.yaml), for teams that run Prefect workers:
+# `make server` (or any server in PREFECT_API_URL), `make deploy` once, `make worker` on each machine that runs them
+POOL ?= rlhf-local
+deploy worker: export PREFECT_API_URL ?= http://127.0.0.1:$(PORT)/api
+server: setup
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PORT)
+
+deploy: setup
+	$(VENV)/bin/prefect work-pool inspect $(POOL) >/dev/null 2>&1 || $(VENV)/bin/prefect work-pool create $(POOL) --type process
+	$(VENV)/bin/prefect --no-prompt deploy --all
+
+worker: setup
+	$(VENV)/bin/prefect worker start --pool $(POOL)
+
 nightly: setup
 	$(PY) -m flows.nightly
 
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 test-unit: setup
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -m "not integration" -n $(TEST_WORKERS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -32,7 +32,7 @@ from datasets_prep.preference import (
     pair_items_from_json,
     prepare_pairs,
 )
-from stages.common.config import LoraConfig, TrainConfig
+from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
 from stages.common.preference_losses import RewardPair, reward_loss
 from stages.common.stage import (
     POLICY,
@@ -59,6 +59,7 @@ class RewardModelConfig(BaseModel):
     eval_steps: int = Field(50, ge=0)
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()
+    logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
     output_root: str = "runs"
 
 

@@ -17,7 +17,7 @@ from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
 from datasets_prep.packing import PackedRow, collate, loss_tokens, pack
 from datasets_prep.sft import Example, prepare_sft
-from stages.common.config import LoraConfig, TrainConfig
+from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
 from stages.common.logprobs import masked_sum, token_logps
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
 from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
@@ -37,6 +37,7 @@ class SFTConfig(BaseModel):
     eval_steps: int = Field(0, ge=0)  # 0: only after the last step
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()
+    logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
     output_root: str = "runs"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -78,3 +79,32 @@ def no_worker_processes(under: Path | str) -> list[str]:
         if "stages.common.worker" in cmd and str(under) in cmd:
             left.append(cmd)
     return left
+
+
+def wandb_history(run_dir: Path) -> tuple[str, list[dict]]:
+    """(run id, logged rows) of the offline W&B run under ``run_dir/wandb``: the ``.wandb`` file read as
+    what it is, a LevelDB-format log of W&B's protobuf records (32 KiB blocks, 7-byte record headers)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, block, buf, rows, run_id = 7, 32768, b"", [], None
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start a record, MIDDLE/LAST continue it
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            which = rec.WhichOneof("record_type")
+            if which == "run":
+                run_id = rec.run.run_id
+            elif which == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return run_id, rows

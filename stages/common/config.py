@@ -76,3 +76,27 @@ class LoraConfig(BaseModel):
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+
+class WandbConfig(BaseModel):
+    """Weights & Biases logging beside metrics.jsonl and TensorBoard (OpenRLHF's ``--use_wandb``): the same
+    scalars per step, the stage's config as the W&B run's config. The W&B run id is the stage's run folder
+    name, so a resumed stage continues its W&B run. The API key comes from W&B's own ``WANDB_API_KEY`` /
+    ``wandb login``; ``mode: offline`` writes under the run folder's ``wandb/`` for ``wandb sync`` later."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    name: str | None = None  # default: the run folder's name (<stage>-<run key>)
+    group: str | None = None
+    tags: list[str] = []
+    mode: Literal["online", "offline", "disabled"] | None = None  # None: WANDB_MODE, else online
+
+
+class LoggingConfig(BaseModel):
+    """Where a training stage's metrics go besides ``metrics.jsonl`` and TensorBoard (not part of the run's identity)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wandb: WandbConfig | None = None

@@ -53,7 +53,7 @@ REWARD_ADAPTER = "reward_adapter"  # LoRA weights (and head) on a reward model
 REPORT = "report"  # eval's report; never an input
 
 # settings that change how a run is watched or continued, not what it computes
-NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps", "train.keep_last", "train.timeout_s",
+NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps", "train.keep_last", "train.timeout_s", "logging",
                    "timeout_s", "ray.call_timeout_s", "reward.timeout_s", "reward.retries")
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = ".lock"

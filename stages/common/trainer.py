@@ -167,10 +167,11 @@ def kept_metric_lines(path: Path) -> list[str]:
 
 
 class MetricsWriter:
-    """Rank 0 only: one JSON line per step, the same scalars to TensorBoard."""
+    """Rank 0 only: one JSON line per step, the same scalars to TensorBoard and, when the stage's job
+    (``run_dir/job.json``) sets ``logging.wandb``, to Weights & Biases."""
 
     def __init__(self, run_dir: Path, start_step: int, enabled: bool, prefix: str = "train"):
-        self.enabled, self.prefix = enabled, prefix
+        self.enabled, self.prefix, self.wandb = enabled, prefix, None
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -183,6 +184,7 @@ class MetricsWriter:
             tmp.replace(self.path)
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        self.wandb = start_wandb(run_dir)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -191,11 +193,31 @@ class MetricsWriter:
         self.file.flush()
         for k, v in metrics.items():
             self.tb.add_scalar(f"{self.prefix}/{k}", v, step)
+        if self.wandb is not None:
+            self.wandb.log({f"{self.prefix}/{k}": v for k, v in metrics.items()}, step=step)
 
     def close(self) -> None:
         if self.enabled:
             self.file.close()
             self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def start_wandb(run_dir: Path):
+    """The W&B run of this stage run (``None`` unless its config sets ``logging.wandb``): id = the run
+    folder's name (a resumed run continues it), config = the stage's config, files under ``run_dir/wandb``."""
+    from stages.common.config import LoggingConfig
+
+    job = run_dir / "job.json"
+    config = json.loads(job.read_text()).get("config", {}) if job.is_file() else {}
+    wb = LoggingConfig.model_validate(config.get("logging") or {}).wandb
+    if wb is None:
+        return None
+    import wandb
+
+    return wandb.init(project=wb.project, entity=wb.entity, name=wb.name or run_dir.name, group=wb.group, tags=wb.tags or None,
+                      mode=wb.mode, id=run_dir.name, resume="allow", dir=str(run_dir), config=config)
 
 
 def _maybe_inject_fault(step: int, rank: int) -> None:

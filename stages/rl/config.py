@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from datasets_prep.loading import DataConfig
-from stages.common.config import LoraConfig, TrainConfig
+from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
 from stages.rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
@@ -194,6 +194,7 @@ class RLConfig(BaseModel):
     lora: LoraConfig = LoraConfig()
     critic: CriticConfig = CriticConfig()
     ray: RayConfig = RayConfig()
+    logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
     max_steps: int = Field(10, ge=1)  # RL steps (rollout + update + sync)
     log_rollouts_every: int = Field(0, ge=0)  # write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never
     verify_sync: bool = True

@@ -12,7 +12,8 @@ from stages.rl.config import RLConfig
 from stages.rl.driver import SyncError, run_rl
 from stages.rl.rewards import RewardError
 
-pytestmark = pytest.mark.integration
+# one Ray cluster at a time: these tests look for Ray processes machine-wide (pytest-xdist keeps a group on one worker)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ray")]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -10,10 +10,11 @@ from safetensors.torch import load_file
 from checkpoints import CheckpointError, read_manifest, verify
 from datasets_prep.loading import DataConfig, DataError
 from datasets_prep.sft import prepare_sft
+from stages.common.config import LoggingConfig
 from stages.common.launcher import StageFailed
 from stages.common.recipe import RecipeError, load_config
 from stages.sft import SFTConfig, run_sft
-from tests.conftest import no_worker_processes
+from tests.conftest import no_worker_processes, wandb_history
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,8 @@ def test_two_ranks_zero3_learns_and_exports_the_engine_weights(task_files, micro
 
     cfg = _config(task_files, tmp_path, world_size=2, zero_stage=3, micro_train_batch_size=2)
     cfg = cfg.model_copy(update={"eval_steps": 3, "eval_data": DataConfig(
-        paths=[str(task_files["eval"])], input_key="prompt", output_key="answer", max_len=64, max_samples=12)})
+        paths=[str(task_files["eval"])], input_key="prompt", output_key="answer", max_len=64, max_samples=12),
+        "logging": LoggingConfig(wandb={"project": "rlhf-tests", "mode": "offline"})})
     ref = run_sft(cfg, micro_model)
     verify(ref)
     m = read_manifest(ref.path)
@@ -85,6 +87,12 @@ def test_two_ranks_zero3_learns_and_exports_the_engine_weights(task_files, micro
             nll -= float((picked * mask).sum())
             n += float(mask.sum())
     assert steps[-1]["eval_loss"] == pytest.approx(nll / n, rel=1e-4)
+    # logging.wandb (offline): the W&B run is the run folder's, its rows the metrics.jsonl rows (rank 0 only)
+    run_id, rows = wandb_history(run_dir)
+    assert run_id == run_dir.name
+    assert [r["_step"] for r in rows] == [s["step"] for s in steps]
+    assert [r["train/loss"] for r in rows] == [s["loss"] for s in steps]
+    assert [r["train/eval_loss"] for r in rows if "train/eval_loss" in r] == [s["eval_loss"] for s in steps if "eval_loss" in s]
     assert no_worker_processes(tmp_path) == []
 
 
