@@ -14,7 +14,8 @@ export HF_HUB_OFFLINE ?= 1
 # Prefect's database and cached task results live in the project (make run: ephemeral server, SQLite)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 PORT ?= 4200
-# tests run on this many pytest-xdist workers (most of a test is process start-up and waiting: two share 2 cores well)
+# tests run on this many pytest-xdist workers, a test file per worker at a time (test_rl.py's tests look for Ray
+# processes machine-wide); much of a test is process start-up and waiting, so two share 2 cores well
 TEST_WORKERS ?= 2
 
 .PHONY: setup run serve server deploy worker nightly test test-unit lint bench bench-rl-gain bench-pipeline clean
@@ -57,7 +58,7 @@ nightly: setup
 	$(PY) -m flows.nightly
 
 test: setup
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 test-unit: setup
 	$(PY) -m pytest -q -m "not integration" -n $(TEST_WORKERS)

@@ -25,7 +25,7 @@ from prefect.context import TaskRunContext
 from checkpoints import CheckpointError, CheckpointRef, verify
 from stages import registry
 from stages.common.launcher import launch
-from stages.common.progress import read_progress
+from stages.common.progress import progress_summary, read_progress
 from stages.common.stage import StageRun
 from stages.eval import EvalReport
 
@@ -79,16 +79,22 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     progress_file = folder / "progress.json"
     progress_file.unlink(missing_ok=True)
     job = {"run": run.model_dump(), "config": config, "inputs": spec.dump_inputs(inputs)}
-    artifact = create_progress_artifact(0.0, description=f"{name} ({run.stage}): training steps done")
+    title = f"{name} ({run.stage}): training steps done"
+    artifact = create_progress_artifact(0.0, description=title)
     done = threading.Event()
 
+    def update(final: bool = False) -> None:
+        pct, summary = read_progress(progress_file), progress_summary(progress_file)
+        if pct is not None or final:
+            update_progress_artifact(artifact, 100.0 if final else pct, description=f"{title}; {summary}" if summary else title)
+
     def watch() -> None:
-        last = 0.0
+        last = None
         while not done.wait(2.0):
-            pct = read_progress(progress_file)
-            if pct is not None and pct != last:
-                update_progress_artifact(artifact, pct)
-                last = pct
+            now = progress_file.read_bytes() if progress_file.is_file() else None
+            if now is not None and now != last:
+                update()
+                last = now
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -98,7 +104,7 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     finally:
         done.set()
         watcher.join()
-    update_progress_artifact(artifact, 100.0)
+    update(final=True)
     result = spec.result.model_validate(out)
     print(f"[{name}] {run.stage} -> {result.markdown if isinstance(result, EvalReport) else result.path}")
     return result

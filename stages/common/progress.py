@@ -1,7 +1,8 @@
-"""Step progress for whoever runs a stage: ``{"step", "total"}`` written to ``$RLHF_PROGRESS_FILE``.
+"""Step progress for whoever runs a stage: ``{"step", "total", "metrics", "eval"}`` written to
+``$RLHF_PROGRESS_FILE`` (``metrics``: the last step's, ``eval``: the last held-out evaluation's, at its step).
 
-The pipeline's stage task sets the variable and turns the file into a Prefect progress artifact; run
-by hand, nothing is written.
+The pipeline's stage task sets the variable and turns the file into a Prefect progress artifact whose
+description shows the latest metrics and eval metrics; run by hand, nothing is written.
 """
 
 from __future__ import annotations
@@ -11,20 +12,49 @@ import os
 from pathlib import Path
 
 
-def report_progress(step: int, total: int) -> None:
+def report_progress(step: int, total: int, metrics: dict[str, float] | None = None) -> None:
+    """``metrics``: this step's scalars; those named ``eval_*`` (logged on evaluation steps) are kept until
+    the next evaluation."""
     target = os.environ.get("RLHF_PROGRESS_FILE")
     if not target:
         return
     path = Path(target)
+    metrics = metrics or {}
+    evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
+    previous = _read(path) or {}
+    record = {"step": step, "total": total, "metrics": {k: v for k, v in metrics.items() if k not in evals},
+              "eval": {"step": step, **evals} if evals else previous.get("eval")}
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "total": total}))
+    tmp.write_text(json.dumps(record))
     tmp.replace(path)
+
+
+def _read(path: str | Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def read_progress(path: str | Path) -> float | None:
     """Percent done, or None before the first step."""
-    try:
-        p = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return 100.0 * p["step"] / p["total"] if p.get("total") else None
+    p = _read(path)
+    return 100.0 * p["step"] / p["total"] if p and p.get("total") else None
+
+
+SHOWN = ("loss", "reward", "accuracy", "kl", "entropy", "margin", "value_loss")
+
+
+def progress_summary(path: str | Path) -> str:
+    """One line for the progress artifact: the step, its main metrics and the latest eval metrics."""
+    p = _read(path)
+    if not p or not p.get("total"):
+        return ""
+    metrics = p.get("metrics") or {}
+    shown = sorted((k for k in metrics if any(s in k for s in SHOWN)), key=lambda k: min(i for i, s in enumerate(SHOWN) if s in k))
+    text = f"step {p['step']}/{p['total']}" + "".join(f", {k} {metrics[k]:.4g}" for k in shown[:6])
+    ev = dict(p.get("eval") or {})
+    if ev:
+        at = ev.pop("step")
+        text += f"; eval at step {at}: " + ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in ev.items())
+    return text

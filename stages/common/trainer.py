@@ -333,7 +333,7 @@ def fit(
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         if rank == 0:
-            report_progress(step + 1, total_steps)
+            report_progress(step + 1, total_steps, metrics)
         if train.save_steps and (step + 1) % train.save_steps == 0 and step + 1 < total_steps:
             save_state(engine, run_dir / STATE_DIR, step + 1, {"torch_rng": torch.get_rng_state()}, train.keep_last, rank)
         _maybe_inject_fault(step + 1, rank)

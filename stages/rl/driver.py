@@ -613,7 +613,7 @@ class RLLoop:
                 m.update(self.evaluate())
             history.append({"step": step + 1, **m})
             writer.write(step + 1, m)
-            report_progress(step + 1, cfg.max_steps)
+            report_progress(step + 1, cfg.max_steps, m)
             if cfg.train.save_steps and (step + 1) % cfg.train.save_steps == 0 and step + 1 < cfg.max_steps:
                 self.save_state(step + 1, probe)
             if os.environ.get("RLHF_FAULT_STEP") == str(step + 1):  # test hook: the task dies here

@@ -182,9 +182,30 @@ def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage(results, task_f
     assert not no_worker_processes(results / "runs")
 
     monkeypatch.delenv("RLHF_FAULT_STEP")
+    data = yaml.safe_load(recipe.read_text())  # with a held-out set now: its metrics reach the progress artifact
+    data["stages"][1]["overrides"].update({"eval_data": {"paths": [str(task_files["preference_eval"])], "max_len": 64}, "eval_steps": 2})
+    recipe.write_text(yaml.safe_dump(data))
     state, tasks = run_flow(pipeline=str(recipe))
     assert tasks == {"base": ("Cached", 1), "dpo": ("Completed", 1)}
-    verify(state.result()["dpo"]["path"])
+    dpo = state.result()["dpo"]
+    verify(dpo["path"])
+    rows = [json.loads(ln) for ln in (Path(dpo["path"]).parent / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [r for r in rows if "eval_reward_accuracy" in r][-1]
+    assert last_eval["step"] == rows[-1]["step"] == 3
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterType,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])),
+                                     flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    (desc,) = [a.description for a in arts if a.description.startswith("dpo (dpo)")]
+    assert f"step 3/3, loss {rows[-1]['loss']:.4g}" in desc, desc
+    assert f"eval at step 3: loss {last_eval['eval_loss']:.4g}" in desc and f"reward_accuracy {last_eval['eval_reward_accuracy']:.4g}" in desc, desc
 
 
 def test_bad_pipeline_is_rejected_before_any_stage_runs(results, task_files):
