@@ -14,9 +14,10 @@ export HF_HUB_OFFLINE ?= 1
 # Prefect's database and cached task results live in the project (make run: ephemeral server, SQLite)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 PORT ?= 4200
-# tests run on this many pytest-xdist workers, a test file per worker at a time (test_rl.py's tests look for Ray
-# processes machine-wide); much of a test is process start-up and waiting, so two share 2 cores well
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2: pytest-xdist workers, a test file per worker at a time (test_rl.py's tests look for Ray
+# processes machine-wide). Serial (0) by default until a whole parallel run has passed on a fresh clone
+TEST_WORKERS ?= 0
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: setup run serve server deploy worker nightly test test-unit lint bench bench-rl-gain bench-pipeline clean
 
@@ -58,10 +59,10 @@ nightly: setup
 	$(PY) -m flows.nightly
 
 test: setup
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -ra $(XDIST)
 
 test-unit: setup
-	$(PY) -m pytest -q -m "not integration" -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -m "not integration" $(XDIST)
 
 lint: setup
 	$(VENV)/bin/ruff check .

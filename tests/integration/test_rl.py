@@ -230,8 +230,8 @@ def test_a_hung_learner_fails_the_step_at_its_deadline_naming_it(task_files, sft
 
     monkeypatch.setenv("RLHF_FAULT_HANG", "learner.train:0")
     cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), train__world_size=1, train__zero_stage=2,
-                  ray={"call_timeout_s": 90})  # generous: setup takes longer when other tests share the cores
-    with pytest.raises(CallTimeout, match=r"learner rank\(s\) \[0\] of 1 gave no answer to train within 90 s \(ray.call_timeout_s\)"):
+                  ray={"call_timeout_s": 45})
+    with pytest.raises(CallTimeout, match=r"learner rank\(s\) \[0\] of 1 gave no answer to train within 45 s \(ray.call_timeout_s\)"):
         run_rl(cfg, sft_policy)
     assert ray_processes() == []
     assert not list(tmp_path.glob("rl-*/checkpoint"))
