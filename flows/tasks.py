@@ -25,7 +25,7 @@ from prefect.context import TaskRunContext
 from checkpoints import CheckpointError, CheckpointRef, verify
 from stages import registry
 from stages.common.launcher import launch
-from stages.common.progress import progress_summary, read_progress
+from stages.common.progress import read_progress
 from stages.common.stage import StageRun
 from stages.eval import EvalReport
 
@@ -83,17 +83,15 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     artifact = create_progress_artifact(0.0, description=title)
     done = threading.Event()
 
-    def update(final: bool = False) -> None:
-        pct, summary = read_progress(progress_file), progress_summary(progress_file)
-        if pct is not None or final:
-            update_progress_artifact(artifact, 100.0 if final else pct, description=f"{title}; {summary}" if summary else title)
+    def publish(pct: float, summary: str) -> None:
+        update_progress_artifact(artifact, pct, description=f"{title}; {summary}" if summary else title)
 
     def watch() -> None:
-        last = None
+        last = (None, "")
         while not done.wait(2.0):
-            now = progress_file.read_bytes() if progress_file.is_file() else None
-            if now is not None and now != last:
-                update()
+            now = read_progress(progress_file)
+            if now[0] is not None and now != last:
+                publish(*now)
                 last = now
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -104,7 +102,7 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     finally:
         done.set()
         watcher.join()
-    update(final=True)
+    publish(100.0, read_progress(progress_file)[1])
     result = spec.result.model_validate(out)
     print(f"[{name}] {run.stage} -> {result.markdown if isinstance(result, EvalReport) else result.path}")
     return result

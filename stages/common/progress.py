@@ -36,20 +36,15 @@ def _read(path: str | Path) -> dict | None:
         return None
 
 
-def read_progress(path: str | Path) -> float | None:
-    """Percent done, or None before the first step."""
-    p = _read(path)
-    return 100.0 * p["step"] / p["total"] if p and p.get("total") else None
+SHOWN = ("loss", "reward", "accuracy", "kl", "entropy", "margin")  # step metrics named in the summary, in this order
 
 
-SHOWN = ("loss", "reward", "accuracy", "kl", "entropy", "margin", "value_loss")
-
-
-def progress_summary(path: str | Path) -> str:
-    """One line for the progress artifact: the step, its main metrics and the latest eval metrics."""
+def read_progress(path: str | Path) -> tuple[float | None, str]:
+    """(percent done, or None before the first step; one line for the progress artifact: the step, its main
+    metrics and the latest eval metrics), from one read of the file."""
     p = _read(path)
     if not p or not p.get("total"):
-        return ""
+        return None, ""
     metrics = p.get("metrics") or {}
     shown = sorted((k for k in metrics if any(s in k for s in SHOWN)), key=lambda k: min(i for i, s in enumerate(SHOWN) if s in k))
     text = f"step {p['step']}/{p['total']}" + "".join(f", {k} {metrics[k]:.4g}" for k in shown[:6])
@@ -57,4 +52,4 @@ def progress_summary(path: str | Path) -> str:
     if ev:
         at = ev.pop("step")
         text += f"; eval at step {at}: " + ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in ev.items())
-    return text
+    return 100.0 * p["step"] / p["total"], text
