@@ -96,7 +96,7 @@ def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int,
 PHASES = ("generate_s", "reward_s", "reference_s", "train_s", "sync_s")
 
 
-def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: int) -> dict:
+def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: int, overrides: tuple[str, ...] = ()) -> dict:
     from checkpoints import import_pretrained, load_ref
     from stages.common.recipe import load_config
     from stages.rl.config import RLConfig
@@ -113,7 +113,7 @@ def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: i
             f"rollout.max_new_tokens={tokens}", f"train.train_batch_size={prompts_n * group}",
             f"train.micro_train_batch_size={prompts_n * group}", f"train.dtype={'bf16' if cuda() else 'fp32'}",
             f"rollout.dtype={'bfloat16' if cuda() else 'float32'}", "train.zero_stage=2",
-            "train.lr=1e-5", "train.progress_bar=false", "algo.advantage_estimator=group_norm",
+            "train.lr=1e-5", "train.progress_bar=false", "algo.advantage_estimator=group_norm", *overrides,
         ])
         out = run_rl(cfg, ref)
         steps_m = [json.loads(ln) for ln in (Path(out.path).parent / "metrics.jsonl").read_text().splitlines()]

@@ -175,6 +175,16 @@ class RayConfig(BaseModel):
     call_timeout_s: float = Field(3600.0, gt=0)
 
 
+class RLTrainConfig(TrainConfig):
+    """The learners' settings: the shared ones, plus micro-batches sized by tokens (OpenRLHF's dynamic batch)."""
+
+    # when set: each rank's share of an optimizer step is sorted by length and cut into micro-batches of at
+    # most this many positions (rows x the longest row, the padded size a forward computes), instead of
+    # micro_train_batch_size rows; every rank runs the same number of micro-batches (ZeRO-3 forwards are
+    # collective). On a 2-core CPU ~2-4k positions keep the activations in cache (bench/rl_step.py)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+
+
 class RLConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -188,9 +198,9 @@ class RLConfig(BaseModel):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     reward: RewardSourceConfig = RewardSourceConfig()
-    # learners: world_size ranks, zero_stage, micro_train_batch_size (sequences per forward),
-    # train_batch_size (sequences per optimizer step; divides rollout_batch_size x n_samples)
-    train: TrainConfig = TrainConfig(zero_stage=3, train_batch_size=64, micro_train_batch_size=16, lr=1e-5)
+    # learners: world_size ranks, zero_stage, micro_train_batch_size (sequences per forward) or
+    # max_tokens_per_micro_batch, train_batch_size (sequences per optimizer step; divides rollout_batch_size x n_samples)
+    train: RLTrainConfig = RLTrainConfig(zero_stage=3, train_batch_size=64, micro_train_batch_size=16, lr=1e-5)
     lora: LoraConfig = LoraConfig()
     critic: CriticConfig = CriticConfig()
     ray: RayConfig = RayConfig()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from stages.rl.algorithms import aggregate, value_loss
-from stages.rl.experience import TrainBatch
+from stages.rl.experience import TrainBatch, used_width
 from stages.rl.learner import Rank
 
 
@@ -50,12 +50,17 @@ class Critic(Rank):
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Values of this rank's shard at rollout time (no grad), micro-batch by micro-batch."""
+        from torch.nn.functional import pad
+
         micro = self.cfg.train.micro_train_batch_size
+        width = batch["input_ids"].shape[1]
         out = []
         self.eng.engine.eval()
         with torch.no_grad():
             for i in range(0, batch["input_ids"].shape[0], micro):
-                out.append(self._values(batch["input_ids"][i : i + micro], batch["attention_mask"][i : i + micro]).cpu())
+                attn = batch["attention_mask"][i : i + micro]
+                w = used_width(attn)  # without the padding columns the micro-batch's rows share
+                out.append(pad(self._values(batch["input_ids"][i : i + micro, :w], attn[:, :w]).cpu(), (0, width - w)))
         self.eng.engine.train()
         return torch.cat(out)
 

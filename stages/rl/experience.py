@@ -178,6 +178,7 @@ class TrainBatch:
     ref_logp: torch.Tensor | None  # plan.ref_logp
     old_values: torch.Tensor | None  # plan.values
     normaliser: float  # the loss aggregation's divisor over the whole optimizer step (all ranks)
+    micro: tuple[tuple[int, int], ...] = ()  # the micro-batches' row ranges, in order (see micro_batches)
 
     def _map(self, fn) -> TrainBatch:
         """The same batch with ``fn`` applied to every tensor field (the None ones stay None)."""
@@ -189,14 +190,52 @@ class TrainBatch:
     def to(self, device: torch.device) -> TrainBatch:
         return self._map(lambda t: t.to(device))
 
+    def sorted_by_length(self) -> TrainBatch:
+        order = torch.argsort(self.attention_mask.sum(-1), descending=True, stable=True)
+        return self._map(lambda t: t[order])
+
+    def trimmed(self) -> TrainBatch:
+        """The batch without the padding columns every row shares (rows are right-padded)."""
+        width = used_width(self.attention_mask)
+        return self._map(lambda t: t[:, :width])
+
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
 
 
+def used_width(attention_mask: torch.Tensor) -> int:
+    """The longest row of a right-padded batch."""
+    return int(attention_mask.sum(-1).max()) if attention_mask.numel() else 0
+
+
+def micro_batches(lengths: list[int], rows: int | None, max_tokens: int | None, count: int | None = None) -> list[tuple[int, int]]:
+    """Row ranges of the micro-batches of a share whose rows are sorted longest first: ``rows`` rows each,
+    or, with ``max_tokens``, as many rows as fit in ``max_tokens`` positions (rows x the first row's length;
+    one row at least). ``count`` (>= the ranges found) splits the largest ranges until there are that many."""
+    n = len(lengths)
+    if max_tokens is None:
+        ranges = [(i, min(i + rows, n)) for i in range(0, n, rows)]
+    else:
+        ranges, start = [], 0
+        while start < n:
+            stop = start + max(1, min(n - start, max_tokens // max(1, lengths[start])))
+            ranges.append((start, stop))
+            start = stop
+    while count is not None and len(ranges) < count:
+        i = max(range(len(ranges)), key=lambda k: (ranges[k][1] - ranges[k][0]) * lengths[ranges[k][0]])
+        a, b = ranges[i]
+        if b - a < 2:
+            raise ValueError(f"cannot cut {n} rows into {count} micro-batches")
+        ranges[i : i + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return ranges
+
+
 def updates_of(exp: Experience, cfg: RLConfig, n_ranks: int) -> list[list[TrainBatch]]:
     """The step's samples as optimizer steps (``train_batch_size`` samples each) split into rank shares:
-    ``[rank][update]``. The normaliser of each optimizer step is computed over all of it."""
+    ``[rank][update]``. The normaliser of each optimizer step is computed over all of it. With
+    ``train.max_tokens_per_micro_batch`` each share is sorted longest first and cut by tokens, every rank
+    into as many micro-batches as the rank that needs most (its forwards are collective under ZeRO-3)."""
     s, f = exp.samples, exp.forward
     whole = TrainBatch(s.input_ids, s.attention_mask, s.response_mask, exp.advantages, exp.returns,
                        f.old_logp, f.ref_logp, f.values, 0.0)
@@ -206,6 +245,14 @@ def updates_of(exp: Experience, cfg: RLConfig, n_ranks: int) -> list[list[TrainB
         chunk = whole.rows(start, start + tb)
         norm = aggregation_normaliser([chunk.response_mask], cfg.algo.loss_agg, cfg.rollout.max_new_tokens)
         size = chunk.size // n_ranks
-        for r in range(n_ranks):
-            per_rank[r].append(replace(chunk.rows(r * size, (r + 1) * size), normaliser=norm))
+        shares = [chunk.rows(r * size, (r + 1) * size) for r in range(n_ranks)]
+        budget = cfg.train.max_tokens_per_micro_batch
+        if budget is not None:
+            shares = [share.sorted_by_length() for share in shares]
+        lengths = [share.attention_mask.sum(-1).tolist() for share in shares]
+        plans = [micro_batches(n, cfg.train.micro_train_batch_size, budget) for n in lengths]
+        count = max(len(p) for p in plans)
+        for r, share in enumerate(shares):
+            micro = micro_batches(lengths[r], cfg.train.micro_train_batch_size, budget, count)
+            per_rank[r].append(replace(share, normaliser=norm, micro=tuple(micro)))
     return per_rank

@@ -19,7 +19,7 @@ import torch
 from stages.common.logprobs import token_logps
 from stages.rl.algorithms import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossInput, policy_objective
 from stages.rl.config import RLConfig
-from stages.rl.experience import StepPlan, TrainBatch
+from stages.rl.experience import StepPlan, TrainBatch, used_width
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -89,13 +89,16 @@ class Rank:
         from stages.common.trainer import device
 
         engine = self.eng.engine
-        micro = self.cfg.train.micro_train_batch_size
+        # DeepSpeed divides every micro-batch's loss by its configured accumulation steps and averages the
+        # ranks' gradients; the losses here are already shares of the optimizer step's loss
         scale = self.cfg.train.accumulation_steps * self.world_size
         sums: dict[str, float] = {}
         grad_norms = []
         for update in updates:
-            for i in range(0, update.size, micro):
-                loss, metrics = micro_loss(update.rows(i, i + micro).to(device()))
+            for k, (a, b) in enumerate(update.micro):
+                # the micro-batch count may differ from the configured accumulation steps (token budgets)
+                engine.set_gradient_accumulation_boundary(k == len(update.micro) - 1)
+                loss, metrics = micro_loss(update.rows(a, b).trimmed().to(device()))
                 engine.backward(loss * scale)
                 engine.step()
                 for k, v in metrics.items():
@@ -124,38 +127,54 @@ class Learner(Rank):
             self.ref, self._ref_keep = build_reference_engine(policy_path, self.cfg.train)
         return True
 
-    def _forward_logps(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False,
-                       temperature: float | None = None):
-        """Token log-probs (and the entropy) of the policy sampled from: logits divided by the rollout
-        temperature (``temperature=1.0``: the raw model, as vLLM's prompt log-probs on the probe)."""
+    def _forward_logps(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       response_mask: torch.Tensor | None = None, with_entropy: bool = False, temperature: float | None = None):
+        """Token log-probs (and the entropy of the distribution each was drawn from) of the policy sampled
+        from: logits divided by the rollout temperature (``temperature=1.0``: the raw model, as vLLM's prompt
+        log-probs on the probe). [b, T] each, entry t about token t. With ``response_mask``, the logits are
+        computed only from the position before the batch's first response token on (``logits_to_keep``):
+        entries before it are 0."""
+        from torch.nn.functional import pad
+
         from stages.common.trainer import device
 
         ids = input_ids.to(device())
-        out = module(input_ids=ids, attention_mask=attention_mask.to(device()), use_cache=False)
+        start = 0
+        if response_mask is not None and bool(response_mask.any()):
+            start = max(0, int(response_mask.to(torch.long).argmax(-1)[response_mask.any(-1)].min()) - 1)
+        out = module(input_ids=ids, attention_mask=attention_mask.to(device()), use_cache=False,
+                     logits_to_keep=ids.shape[1] - start)
         t = self.cfg.rollout.temperature if temperature is None else temperature
-        logits = out.logits if t == 1.0 else out.logits / t
-        logp = token_logps(logits, ids)
+        logits = out.logits if t == 1.0 else out.logits / t  # positions start .. T-1
+        logp = pad(token_logps(logits, ids[:, start:]), (start, 0))
         if not with_entropy:
             return logp
+        # entry t: the entropy of the distribution token t was drawn from (the logits at t - 1)
         if self.cfg.algo.entropy_coef:  # in the loss: with its gradient
-            return logp, _entropy(logits)
+            return logp, pad(_entropy(logits[:, :-1]), (start + 1, 0))
         with torch.no_grad():  # logged only
-            return logp, _entropy(logits.detach())
+            return logp, pad(_entropy(logits[:, :-1].detach()), (start + 1, 0))
 
     def logprobs(self, batch: dict[str, torch.Tensor], policy: bool = True, reference: bool = True,
                  temperature: float | None = None) -> dict[str, torch.Tensor]:
         """Policy and/or reference log-probs of this rank's shard, micro-batch by micro-batch (at the rollout
-        temperature unless one is given)."""
+        temperature unless one is given), each micro-batch without its padding columns."""
+        from torch.nn.functional import pad
+
         micro = self.cfg.train.micro_train_batch_size
+        width = batch["input_ids"].shape[1]
         out: dict[str, list[torch.Tensor]] = {"logp": [], "ref_logp": []}
         self.eng.engine.eval()
         with torch.no_grad():
             for i in range(0, batch["input_ids"].shape[0], micro):
-                ids, attn = batch["input_ids"][i : i + micro], batch["attention_mask"][i : i + micro]
-                if policy:
-                    out["logp"].append(self._forward_logps(self.eng.engine, ids, attn, temperature=temperature).float().cpu())
-                if reference and self.ref is not None:
-                    out["ref_logp"].append(self._forward_logps(self.ref, ids, attn, temperature=temperature).float().cpu())
+                attn = batch["attention_mask"][i : i + micro]
+                w = used_width(attn)
+                ids, attn = batch["input_ids"][i : i + micro, :w], attn[:, :w]
+                resp = batch["response_mask"][i : i + micro, :w] if "response_mask" in batch else None
+                for key, module, wanted in (("logp", self.eng.engine, policy), ("ref_logp", self.ref, reference)):
+                    if wanted and module is not None:
+                        lp = self._forward_logps(module, ids, attn, resp, temperature=temperature).float().cpu()
+                        out[key].append(pad(lp, (0, width - w)))
         self.eng.engine.train()
         return {k: torch.cat(v) for k, v in out.items() if v}
 
@@ -164,27 +183,25 @@ class Learner(Rank):
         from stages.common.trainer import maybe_hang
 
         maybe_hang("learner.train", self.rank)
+        return self._passes(updates, lambda part: self.micro_loss(self.eng.engine, part, kl_coef))
+
+    def micro_loss(self, module, part: TrainBatch, kl_coef: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """A micro-batch's share of the policy's loss for the optimizer step, and its metric sums."""
         algo, plan = self.cfg.algo, self.plan
-        policy_loss = POLICY_LOSSES[algo.policy_loss]
-        kl_of = KL_ESTIMATORS[algo.kl_estimator]
-
-        def micro_loss(part: TrainBatch):
-            mask = part.response_mask.float()
-            keep = mask.bool()
-            logp, entropy = self._forward_logps(self.eng.engine, part.input_ids, part.attention_mask, with_entropy=True)
-            # on-policy (one update per rollout): the behaviour policy is the current one
-            old_logp = part.old_logp if plan.old_logp else logp.detach()
-            inp = PolicyLossInput(logp, old_logp, part.advantages, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
-            per_token, clipped = policy_loss(inp)
-            kl = torch.where(keep, kl_of(logp, part.ref_logp), 0.0) if plan.ref_logp else torch.zeros_like(logp)
-            loss = policy_objective(per_token, mask, algo.loss_agg, part.normaliser, kl=kl if plan.kl_loss else None,
-                                    kl_coef=kl_coef, entropy=entropy, entropy_coef=algo.entropy_coef)
-            return loss, {"policy_loss": float(torch.where(keep, per_token.detach(), 0.0).sum()),
-                          "clip_ratio": float(clipped.float().sum()),
-                          "entropy": float(torch.where(keep, entropy.detach(), 0.0).sum()),
-                          "kl": float(kl.detach().sum()), "tokens": float(mask.sum())}
-
-        return self._passes(updates, micro_loss)
+        mask = part.response_mask.float()
+        keep = mask.bool()
+        logp, entropy = self._forward_logps(module, part.input_ids, part.attention_mask, part.response_mask, with_entropy=True)
+        # on-policy (one update per rollout): the behaviour policy is the current one
+        old_logp = part.old_logp if plan.old_logp else logp.detach()
+        inp = PolicyLossInput(logp, old_logp, part.advantages, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
+        per_token, clipped = POLICY_LOSSES[algo.policy_loss](inp)
+        kl = torch.where(keep, KL_ESTIMATORS[algo.kl_estimator](logp, part.ref_logp), 0.0) if plan.ref_logp else torch.zeros_like(logp)
+        loss = policy_objective(per_token, mask, algo.loss_agg, part.normaliser, kl=kl if plan.kl_loss else None,
+                                kl_coef=kl_coef, entropy=entropy, entropy_coef=algo.entropy_coef)
+        return loss, {"policy_loss": float(torch.where(keep, per_token.detach(), 0.0).sum()),
+                      "clip_ratio": float(clipped.float().sum()),
+                      "entropy": float(torch.where(keep, entropy.detach(), 0.0).sum()),
+                      "kl": float(kl.detach().sum()), "tokens": float(mask.sum())}
 
     def weights_bytes(self, dtype: str) -> bytes | None:
         """The full policy state dict as safetensors bytes on rank 0 (every rank must call: ZeRO-3 gather).
@@ -204,7 +221,8 @@ class Learner(Rank):
 
     def probe_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The raw model's log-probs (temperature 1, as vLLM's prompt log-probs) on the sync probe."""
-        out = self.logprobs(batch, reference=False, temperature=1.0)["logp"]
+        whole = {k: batch[k] for k in ("input_ids", "attention_mask")}  # every position, prompt included
+        out = self.logprobs(whole, reference=False, temperature=1.0)["logp"]
         return out if self.rank == 0 else None
 
     def export(self, out_dir: str, tokenizer_path: str) -> bool:
