@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -20,3 +22,14 @@ def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is 1 (mask may be long or bool)."""
     return (values * mask.to(values.dtype)).sum()
+
+
+def logprob_difference(engine: torch.Tensor, learner: torch.Tensor, min_prob: float = 0.0) -> tuple[float, float, int]:
+    """Mean and max |engine - learner| log-prob over the tokens the learner gives at least ``min_prob``, and
+    how many counted. Low-precision (bf16) engines move unlikely tokens' log-probs by far more than a real
+    update does, while a stale or half-loaded engine moves the likely ones too."""
+    keep = learner >= math.log(min_prob) if min_prob > 0 else torch.ones_like(learner, dtype=torch.bool)
+    if not keep.any():
+        return 0.0, 0.0, 0
+    diff = (engine - learner).abs()[keep]
+    return diff.mean().item(), diff.max().item(), int(keep.sum())

@@ -209,6 +209,8 @@ class RLConfig(BaseModel):
     log_rollouts_every: int = Field(0, ge=0)  # write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never
     verify_sync: bool = True
     sync_tolerance: float = Field(0.05, gt=0)  # mean |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)
+    # only probe tokens the learner gives at least this probability count (bf16 rounding moves the unlikely ones most)
+    sync_min_prob: float = Field(1e-3, ge=0, lt=1)
     seed: int = 0
     output_root: str = "runs"
 

@@ -35,6 +35,7 @@ from datasets_prep.loading import check_prompt_label_row, load_rows
 from datasets_prep.packing import BatchSchedule
 from datasets_prep.sft import render_prompt
 from stages.common.launcher import PROJECT_ROOT
+from stages.common.logprobs import logprob_difference
 from stages.common.progress import report_progress
 from stages.common.reaper import start as start_reaper
 from stages.common.stage import (
@@ -481,13 +482,17 @@ class RLLoop:
         engine_lps = self.get([e.sequence_logprobs.remote(seqs) for e in self.engines], "engine.sequence_logprobs")
         mean, worst = 0.0, 0.0
         for lps in engine_lps:
-            diffs = torch.cat([(torch.tensor(lp) - learner[i, 1 : len(lp) + 1]).abs() for i, lp in enumerate(lps)])
-            mean, worst = max(mean, diffs.mean().item()), max(worst, diffs.max().item())
+            ours = torch.cat([learner[i, 1 : len(lp) + 1] for i, lp in enumerate(lps)])
+            m, w, counted = logprob_difference(torch.cat([torch.tensor(lp) for lp in lps]), ours, self.cfg.sync_min_prob)
+            if not counted:
+                raise SyncError(f"weight sync check: no probe token has probability >= sync_min_prob={self.cfg.sync_min_prob} "
+                                "under the learner; lower sync_min_prob")
+            mean, worst = max(mean, m), max(worst, w)
         if mean > self.cfg.sync_tolerance:
             raise SyncError(
                 f"weight sync check failed: vLLM engine log-probs differ from the learner's by {mean:.4g} on average "
-                f"(max {worst:.4g}) on the probe (tolerance sync_tolerance={self.cfg.sync_tolerance}); "
-                "the engine is not running the trained weights"
+                f"(max {worst:.4g}) on the probe's tokens of probability >= {self.cfg.sync_min_prob} (tolerance "
+                f"sync_tolerance={self.cfg.sync_tolerance}); the engine is not running the trained weights"
             )
         return mean, worst
 

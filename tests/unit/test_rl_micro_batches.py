@@ -4,6 +4,8 @@ pass computed by hand."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -90,3 +92,16 @@ def test_token_budget_micro_batches_give_the_whole_batch_loss_and_gradients():
     assert total == pytest.approx(float(expected.detach()), abs=1e-5)
     for (name, p), q in zip(ours.named_parameters(), whole.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=0), name
+
+
+def test_sync_check_counts_only_tokens_the_learner_finds_likely():
+    from stages.common.logprobs import logprob_difference
+
+    learner = torch.tensor([math.log(0.5), math.log(0.2), math.log(1e-4), math.log(0.9)])
+    engine = learner + torch.tensor([0.01, -0.03, 2.0, 0.02])  # the unlikely token moved most (bf16 rounding)
+    mean, worst, counted = logprob_difference(engine, learner, min_prob=1e-3)
+    assert counted == 3
+    assert mean == pytest.approx((0.01 + 0.03 + 0.02) / 3, abs=1e-6) and worst == pytest.approx(0.03, abs=1e-6)
+    mean, worst, counted = logprob_difference(engine, learner, min_prob=0.0)  # every token
+    assert counted == 4 and mean == pytest.approx((0.01 + 0.03 + 2.0 + 0.02) / 4, abs=1e-6) and worst == pytest.approx(2.0)
+    assert logprob_difference(engine, learner, min_prob=0.95) == (0.0, 0.0, 0)
