@@ -48,6 +48,8 @@ class Completion:
     token_ids: list[int]
     text: str
     logprobs: list[float] | None
+    # vLLM's finish_reason: "stop" (a stop token or string ended it), "length" (max_tokens reached), None if unknown
+    finish_reason: str | None = None
 
 
 def request_seed(seed: int, i: int) -> int:
@@ -78,7 +80,7 @@ def generate(llm, prompt_ids: list[list[int]], *, max_new_tokens: int, temperatu
         group = []
         for c in o.outputs:
             lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)] if logprobs else None
-            group.append(Completion(list(p), list(c.token_ids), c.text, lps))
+            group.append(Completion(list(p), list(c.token_ids), c.text, lps, c.finish_reason))
         result.append(group)
     return result
 

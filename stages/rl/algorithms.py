@@ -334,3 +334,63 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, fa
     then falling linearly to ``-factor`` at ``max_new_tokens``. lengths [B] -> penalty [B]."""
     expected = max_new_tokens - buffer
     return -((lengths - expected).clamp(min=0) / buffer).clamp(max=1.0) * factor
+
+
+def stop_properly_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coef: float) -> torch.Tensor:
+    """ProRL's stop-properly penalty (OpenRLHF's ``stop_properly_penalty_coef``) on responses that hit
+    ``max_new_tokens`` without a stop token (vLLM's ``finish_reason == "length"``): ``coef`` in [0, 1] scales
+    their reward, a negative ``coef`` replaces it. rewards [B], truncated [B] bool -> rewards [B]."""
+    if coef >= 0:
+        return torch.where(truncated, rewards * coef, rewards)
+    return torch.where(truncated, torch.full_like(rewards, coef), rewards)
+
+
+# ---------------------------------------------------------------------------------------------
+# importance-sampling correction of the gap between the rollout engine's sampling distribution and the
+# learners' (OpenRLHF's vllm_is_correction; Yao et al. 2025, "Your efficient RL framework secretly brings
+# you off-policy RL training"). w = exp(log pi_old - log pi_vllm) per token, detached, multiplies the
+# per-token policy loss.
+
+
+def _is_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = mask.bool()
+    log_ratio = torch.where(keep, old_logp - rollout_logp, 0.0).detach()
+    return log_ratio, keep
+
+
+def tis(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Truncated IS: the token ratio clamped to [low, high]."""
+    log_ratio, keep = _is_ratio(old_logp, rollout_logp, mask)
+    return torch.where(keep, log_ratio.exp().clamp(low, high), 0.0)
+
+
+def icepop(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """IcePop: the token ratio where it lies in [low, high], 0 (the token dropped) outside."""
+    log_ratio, keep = _is_ratio(old_logp, rollout_logp, mask)
+    w = log_ratio.exp()
+    return torch.where(keep & (w >= low) & (w <= high), w, 0.0)
+
+
+def seq_mask_tis(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Sequence-masked IS: whole sequences whose geometric-mean ratio lies outside [low, high] are dropped;
+    the others' tokens keep their own (unclamped) ratio, as OpenRLHF's ``seq-mask-tis``."""
+    log_ratio, keep = _is_ratio(old_logp, rollout_logp, mask)
+    m = keep.to(log_ratio.dtype)
+    seq = (log_ratio.sum(-1) / m.sum(-1).clamp(min=1)).exp()
+    seq_keep = ((seq >= low) & (seq <= high)).unsqueeze(-1)
+    return torch.where(keep & seq_keep, log_ratio.exp(), 0.0)
+
+
+IS_CORRECTIONS: dict[str, Callable[..., torch.Tensor]] = {"tis": tis, "icepop": icepop, "seq-mask-tis": seq_mask_tis}
+
+
+# ---------------------------------------------------------------------------------------------
+# dynamic filtering (DAPO)
+
+
+def groups_in_range(scores: torch.Tensor, group_size: int, low: float, high: float) -> list[int]:
+    """The groups (consecutive ``group_size`` samples of one prompt) whose mean score lies strictly inside
+    (low, high), as OpenRLHF's dynamic filtering: with scores in [0, 1] and the default (0, 1), the groups
+    where every sample failed or every one succeeded (no learning signal) are dropped."""
+    means = scores.double().view(-1, group_size).mean(-1)
+    return [g for g, m in enumerate(means.tolist()) if low < m < high]

@@ -41,7 +41,7 @@ def check_endpoint(url: str, timeout_s: float, retries: int) -> None:
 
 
 class RolloutConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     rollout_batch_size: int = Field(16, ge=1)  # prompts per RL step
     n_samples_per_prompt: int = Field(4, ge=1)
@@ -56,6 +56,11 @@ class RolloutConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)  # GPU only; the CPU build runs TP 1
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     max_model_len: int = Field(512, ge=1)
+    # async training (OpenRLHF's async_enable): the engines generate the next max_staleness steps' samples
+    # while the learners train, each step's batch sampled by weights up to max_staleness updates old; the
+    # engine's log-probs are kept for the IS correction (algo.is_correction, which async runs should set)
+    async_: bool = Field(False, alias="async")
+    max_staleness: int = Field(1, ge=1)
 
 
 class AlgoConfig(BaseModel):
@@ -87,6 +92,18 @@ class AlgoConfig(BaseModel):
     normalize_reward: bool = False  # with a reward model: (r - mean) / std from its checkpoint
     overlong_buffer: int | None = Field(None, ge=1)  # DAPO: penalise the last `buffer` tokens before max_new_tokens
     overlong_penalty: float = Field(1.0, ge=0)
+    # ProRL / OpenRLHF: responses that hit max_new_tokens without a stop token: a coef in [0, 1] scales their
+    # reward, a negative one replaces it (applied after the overlong penalty, before the advantages)
+    stop_properly_penalty: float | None = None
+    # importance-sampling correction of the rollout engine's sampling log-probs against the learners'
+    # (OpenRLHF's is_correction_type): tis (clamp), icepop (drop tokens outside), seq-mask-tis (drop
+    # sequences whose geometric-mean ratio is outside); the ratio's [low, high]
+    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    is_threshold: tuple[float, float] = (0.5, 5.0)
+    # DAPO's dynamic filtering: keep groups whose mean score lies strictly inside (low, high), drawing more
+    # prompts (at most dynamic_filtering_max_batches extra batches per step) until rollout_batch_size remain
+    dynamic_filtering: tuple[float, float] | None = None
+    dynamic_filtering_max_batches: int = Field(4, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
@@ -103,6 +120,15 @@ class AlgoConfig(BaseModel):
             raise ValueError(f"ppo_epochs: {self.ppo_epochs} must be at least 1")
         if self.entropy_coef is not None and self.entropy_coef < 0:
             raise ValueError(f"entropy_coef: {self.entropy_coef} must be >= 0 (or null: entropy logged only)")
+        if self.stop_properly_penalty is not None and self.stop_properly_penalty > 1:
+            raise ValueError(f"stop_properly_penalty: {self.stop_properly_penalty} must be in [0, 1] (scales a truncated "
+                             "response's reward) or negative (replaces it)")
+        low, high = self.is_threshold
+        if not 0 <= low < high:
+            raise ValueError(f"is_threshold: [{low}, {high}] must satisfy 0 <= low < high")
+        if self.dynamic_filtering is not None and not self.dynamic_filtering[0] < self.dynamic_filtering[1]:
+            raise ValueError(f"dynamic_filtering: ({self.dynamic_filtering[0]}, {self.dynamic_filtering[1]}) must be (low, high) "
+                             "with low < high")
         return self
 
 
@@ -238,4 +264,7 @@ class RLConfig(BaseModel):
                              "(max_steps) to train the policy in")
         if self.algo.advantage_estimator in ("rloo", "group_norm", "dr_grpo", "reinforce_baseline") and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(f"rollout.n_samples_per_prompt: {self.algo.advantage_estimator} needs at least 2 samples per prompt")
+        if self.algo.dynamic_filtering is not None and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError("rollout.n_samples_per_prompt: algo.dynamic_filtering filters groups by their mean score and "
+                             f"needs at least 2 samples per prompt (got {self.rollout.n_samples_per_prompt})")
         return self

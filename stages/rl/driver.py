@@ -12,6 +12,7 @@ Run: ``python -m stages.rl recipes/rl/tiny.yaml base=runs/sft-<key>/checkpoint``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -354,6 +355,9 @@ class RLLoop:
         self.kl = KLController(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
         self.prompt_ids = [self._render(r) for r in rows]
         self.schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
+        # dynamic filtering's extra prompts: a schedule of its own, so the main batches stay as without filtering
+        self.extra_schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed + 7_919)
+        self.reward_time = 0.0  # seconds spent in the reward source during the current step
 
     def get(self, refs, what: str):
         return ray_get(refs, what, self.cfg.ray.call_timeout_s)
@@ -364,28 +368,81 @@ class RLLoop:
         text = render_prompt(self.tok, row[self.cfg.data.prompt_key], self.cfg.data)
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False):
-
+    def launch(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False) -> list:
+        """Start generating on every engine (a round-robin shard of the prompts each); :meth:`gather` waits.
+        An engine runs its calls in order, so a weight push sent later waits for this generation."""
         shards = [prompt_ids[i :: len(self.engines)] for i in range(len(self.engines))]
-        outs = self.get([
+        return [
             e.generate.remote(s, n=n, max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=temperature,
                               seed=seed + i * 1_000_003, logprobs=logprobs)
             for i, (e, s) in enumerate(zip(self.engines, shards))
-        ], "engine.generate")
-        result: list = [None] * len(prompt_ids)
+        ]
+
+    def gather(self, refs: list) -> list:
+        outs = self.get(refs, "engine.generate")
+        result: list = [None] * sum(len(o) for o in outs)
         for i, out in enumerate(outs):
             for j, group in enumerate(out):
                 result[i + j * len(self.engines)] = group
         return result
 
-    def rollout(self, step: int) -> Samples:
-        """The step's prompts, ``n_samples_per_prompt`` samples each (with vLLM's log-probs when the plan
-        compares them with the learners' old ones)."""
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False):
+        return self.gather(self.launch(prompt_ids, n, temperature, seed, logprobs))
+
+    def start_rollout(self, step: int, extra: int = 0) -> tuple[list[int], list]:
+        """Start sampling the step's prompts (``extra`` > 0: its extra batch number ``extra``, drawn for dynamic
+        filtering), ``n_samples_per_prompt`` each (with vLLM's log-probs when the plan asks for them):
+        the prompts' rows and the engines' pending calls."""
         ro = self.cfg.rollout
-        idx = self.schedule.global_batch(step)
-        groups = self.generate([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature,
-                               self.cfg.seed * 100_003 + step, logprobs=self.plan.rollout_logp)
-        return Samples.of(list(idx), groups, self.tok.pad_token_id, self.plan.rollout_logp)
+        if extra:
+            idx = self.extra_schedule.global_batch(step * self.cfg.algo.dynamic_filtering_max_batches + extra - 1)
+        else:
+            idx = self.schedule.global_batch(step)
+        refs = self.launch([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature,
+                           self.cfg.seed * 100_003 + step + extra * 1_000_033, logprobs=self.plan.rollout_logp)
+        return list(idx), refs
+
+    def rollout(self, step: int, extra: int = 0, started: tuple[list[int], list] | None = None) -> tuple[list[int], list]:
+        """The step's prompts and their sampled groups (``started``: from :meth:`start_rollout`, ahead of time)."""
+        idx, refs = started or self.start_rollout(step, extra)
+        return idx, self.gather(refs)
+
+    def collect(self, step: int, started: tuple[list[int], list] | None = None) -> tuple[Samples, Scores, dict[str, float]]:
+        """The step's samples and their scores. With ``algo.dynamic_filtering`` (DAPO), the groups whose mean
+        score lies outside the range are dropped and extra batches of prompts drawn (at most
+        ``dynamic_filtering_max_batches``) until ``rollout_batch_size`` groups remain; the first ones are kept.
+        Returns the share of drawn groups filtered out (and how many were drawn) as metrics."""
+        algo, ro = self.cfg.algo, self.cfg.rollout
+        idx, groups = self.rollout(step, started=started)
+        samples = Samples.of(idx, groups, self.tok.pad_token_id, self.plan.rollout_logp)
+        scored = self.score(samples)
+        if algo.dynamic_filtering is None:
+            return samples, scored, {}
+        from stages.rl.algorithms import groups_in_range
+
+        n, want = ro.n_samples_per_prompt, ro.rollout_batch_size
+        kept_idx, kept_groups, kept_scores, drawn = [], [], [], 0
+        for extra in range(algo.dynamic_filtering_max_batches + 1):
+            if extra:
+                idx, groups = self.rollout(step, extra)
+                scored = self.score(Samples.of(idx, groups, self.tok.pad_token_id, self.plan.rollout_logp))
+            drawn += len(idx)
+            keep = groups_in_range(scored.scores, n, *algo.dynamic_filtering)
+            kept_idx += [idx[g] for g in keep]
+            kept_groups += [groups[g] for g in keep]
+            kept_scores.append(scored.rows([g * n + j for g in keep for j in range(n)]))
+            if len(kept_idx) >= want:
+                break
+        else:
+            raise RuntimeError(
+                f"dynamic filtering: only {len(kept_idx)} of the {drawn} prompt groups drawn at step {step + 1} have a mean "
+                f"score inside algo.dynamic_filtering={list(algo.dynamic_filtering)}, fewer than rollout_batch_size={want} "
+                f"after algo.dynamic_filtering_max_batches={algo.dynamic_filtering_max_batches} extra batches; widen the "
+                "range, allow more extra batches, or use data the policy neither always solves nor always fails"
+            )
+        samples = Samples.of(kept_idx[:want], kept_groups[:want], self.tok.pad_token_id, self.plan.rollout_logp)
+        scored = Scores.cat(kept_scores).rows(list(range(want * n)))
+        return samples, scored, {"filtered_share": 1 - (len(kept_idx) / drawn), "prompts_drawn": float(drawn)}
 
     def rewards(self, rows: list[dict], samples: Samples) -> dict[str, Any]:
         """The reward source's answer for every sample (consecutive groups, one per row, in order)."""
@@ -406,7 +463,11 @@ class RLLoop:
         return self.reward_fn(queries, prompts, labels)
 
     def score(self, samples: Samples) -> Scores:
-        return Scores.of(self.rewards([self.rows[i] for i in samples.prompt_index], samples))
+        t = time.perf_counter()
+        try:
+            return Scores.of(self.rewards([self.rows[i] for i in samples.prompt_index], samples))
+        finally:
+            self.reward_time += time.perf_counter() - t
 
     def _shards(self, batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
         size = batch["input_ids"].shape[0] // n
@@ -455,6 +516,8 @@ class RLLoop:
         out.update(kl_sum=sums["kl"] / epochs, policy_loss=sums["policy_loss"] / (tokens * epochs),
                    clip_ratio=sums["clip_ratio"] / (tokens * epochs), entropy=sums["entropy"] / (tokens * epochs),
                    grad_norm=sums["grad_norm"] / (n * epochs), lr=sums["lr"] / (n * epochs))
+        if "vllm_kl" in sums:
+            out["vllm_kl"] = sums["vllm_kl"] / (tokens * epochs)
         return out
 
     def policy_frozen(self, step: int) -> bool:
@@ -553,7 +616,8 @@ class RLLoop:
         with open(folder / f"step_{step}.jsonl", "w") as f:
             for k, (p, r, text) in enumerate(zip(samples.prompt_ids, samples.response_ids, samples.texts, strict=True)):
                 f.write(json.dumps({"prompt_index": samples.prompt_index[k // per], "prompt_ids": p, "response_ids": r,
-                                    "response": text, "reward": scored.rewards[k].item()}) + "\n")
+                                    "response": text, "reward": scored.rewards[k].item(),
+                                    "truncated": bool(samples.truncated[k])}) + "\n")
 
     # -- the loop ----------------------------------------------------------------------------------------
 
@@ -568,13 +632,18 @@ class RLLoop:
         initial = self.evaluate()
         history = []
         n_samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+        # async: the engines sample up to max_staleness steps ahead while the learners train; a weight push
+        # queues behind them on each engine, so step k's batch comes from weights at most max_staleness old
+        ahead = cfg.rollout.max_staleness if cfg.rollout.async_ else 0
+        pending: collections.deque = collections.deque()
         for step in tqdm(range(start, cfg.max_steps), desc="rl", disable=not cfg.train.progress_bar):
             t, t0 = {}, time.perf_counter()
-            samples = self.rollout(step)
-            t["generate_s"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            scored = self.score(samples)
-            t["reward_s"] = time.perf_counter() - t1
+            self.reward_time = 0.0
+            while len(pending) < 1 + ahead and step + len(pending) < cfg.max_steps:  # the later ones sample while this trains
+                pending.append(self.start_rollout(step + len(pending)))
+            samples, scored, filtered = self.collect(step, pending.popleft())
+            t["generate_s"] = time.perf_counter() - t0 - self.reward_time  # with async: the wait for the batch
+            t["reward_s"] = self.reward_time
             if cfg.log_rollouts_every and step % cfg.log_rollouts_every == 0:
                 self.log_rollouts(step + 1, samples, scored)
             if probe is None:  # a fixed probe: the first samples of the first step
@@ -596,17 +665,20 @@ class RLLoop:
             mean_kl = float(exp.kl.sum() / mask.sum()) if exp.kl is not None else kl_sum / max(float(mask.sum()), 1.0)
             if exp.kl is not None:
                 self.kl.update(mean_kl, n_samples)
-            if plan.rollout_logp:
+            if plan.rollout_logp and forward.old_logp is not None:
                 m["rollout_logprob_diff"] = self.rollout_logprob_diff(samples, forward.old_logp)
             t["total_s"] = time.perf_counter() - t0
             lengths = mask.sum(-1)
             m = {
                 "reward_mean": scored.rewards.mean().item(),
                 "reward_std": scored.rewards.std().item(),
+                "shaped_reward_mean": exp.shaped.mean().item(),  # after the length penalties
                 "accuracy": scored.scores.mean().item(),
                 "kl": mean_kl,
                 "kl_coef": self.kl.value,
                 "response_length": lengths.mean().item(),
+                "truncated_share": samples.truncated.float().mean().item(),
+                **filtered,
                 "sync_logprob_diff": sync_mean,
                 "sync_max_logprob_diff": sync_max,
                 **m,

@@ -31,6 +31,7 @@ from stages.rl.algorithms import (
     AdvantageInput,
     aggregation_normaliser,
     overlong_penalty,
+    stop_properly_penalty,
 )
 from stages.rl.config import RLConfig
 
@@ -42,7 +43,7 @@ class StepPlan:
     old_logp: bool  # the learners compute the behaviour policy's log-probs (else: on-policy, one update)
     ref_logp: bool  # a frozen reference gives log-probs (init_kl_coef > 0)
     values: bool  # a critic gives values (PPO with GAE)
-    rollout_logp: bool  # vLLM reports its sampling log-probs (compared with the old ones each step)
+    rollout_logp: bool  # vLLM reports its sampling log-probs (compared with the old ones; IS correction)
     kl_in_reward: bool  # KL shapes the per-token reward (else, with a reference, it is a loss term)
 
     @classmethod
@@ -54,7 +55,7 @@ class StepPlan:
         # one optimizer step per rollout, one epoch: the policy that sampled is the one being updated
         on_policy = algo.ppo_epochs == 1 and samples == cfg.train.train_batch_size and not kl_reward
         return cls(old_logp=not on_policy, ref_logp=ref, values=algo.advantage_estimator in NEEDS_CRITIC,
-                   rollout_logp=not on_policy, kl_in_reward=kl_reward)
+                   rollout_logp=not on_policy or algo.is_correction is not None or ro.async_, kl_in_reward=kl_reward)
 
     @property
     def kl_loss(self) -> bool:
@@ -73,6 +74,7 @@ class Samples:
     attention_mask: torch.Tensor  # [B, T]
     response_mask: torch.Tensor  # [B, T] 1 on response tokens
     rollout_logp: torch.Tensor | None  # [B, T] vLLM's sampling log-probs at response positions (plan.rollout_logp)
+    truncated: torch.Tensor  # [B] bool: the response hit max_new_tokens without a stop token (finish_reason "length")
 
     @classmethod
     def of(cls, prompt_index: list[int], groups: list[list[Any]], pad_id: int, with_logp: bool) -> Samples:
@@ -90,8 +92,9 @@ class Samples:
             resp[i, p : p + r] = 1
             if logp is not None:
                 logp[i, p : p + r] = torch.tensor(c.logprobs)
+        truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
         return cls(prompt_index, [list(c.prompt_ids) for c in flat], [list(c.token_ids) for c in flat],
-                   [c.text for c in flat], ids, attn, resp, logp)
+                   [c.text for c in flat], ids, attn, resp, logp, truncated)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What a forward pass needs."""
@@ -109,6 +112,15 @@ class Scores:
     @classmethod
     def of(cls, result: dict[str, Any]) -> Scores:
         return cls(result["rewards"], result["scores"], result.get("extra_logs") or {})
+
+    def rows(self, index: list[int]) -> Scores:
+        return Scores(self.rewards[index], self.scores[index], {k: v[index] for k, v in self.extra_logs.items()})
+
+    @staticmethod
+    def cat(parts: list[Scores]) -> Scores:
+        keys = [k for k in parts[0].extra_logs if all(k in p.extra_logs for p in parts)]
+        return Scores(torch.cat([p.rewards for p in parts]), torch.cat([p.scores for p in parts]),
+                      {k: torch.cat([p.extra_logs[k] for p in parts]) for k in keys})
 
 
 @dataclass
@@ -148,8 +160,8 @@ class KLController:
 
 def make_experience(plan: StepPlan, cfg: RLConfig, samples: Samples, scored: Scores, forward: Forward,
                     kl_coef: float) -> Experience:
-    """Rewards shaped (overlong penalty, then in the estimator reward clip and KL), advantages and returns.
-    Pure: no actors involved."""
+    """Rewards shaped (overlong penalty, stop-properly penalty, then in the estimator reward clip and KL),
+    advantages and returns. Pure: no actors involved."""
     algo, ro = cfg.algo, cfg.rollout
     mask = samples.response_mask.float()
     kl = None
@@ -158,6 +170,8 @@ def make_experience(plan: StepPlan, cfg: RLConfig, samples: Samples, scored: Sco
     shaped = scored.rewards.double()
     if algo.overlong_buffer:
         shaped = shaped + overlong_penalty(mask.sum(-1), ro.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty).double()
+    if algo.stop_properly_penalty is not None:
+        shaped = stop_properly_penalty(shaped, samples.truncated, algo.stop_properly_penalty)
     inp = AdvantageInput(shaped.float(), mask, ro.n_samples_per_prompt, kl=kl if plan.kl_in_reward else None,
                          kl_coef=kl_coef, gamma=algo.gamma, reward_clip=algo.reward_clip, values=forward.values,
                          lambd=algo.lambd)
@@ -177,6 +191,7 @@ class TrainBatch:
     old_logp: torch.Tensor | None  # None exactly when on-policy (plan.old_logp False): the current log-probs are
     ref_logp: torch.Tensor | None  # plan.ref_logp
     old_values: torch.Tensor | None  # plan.values
+    rollout_logp: torch.Tensor | None  # plan.rollout_logp: vLLM's sampling log-probs (IS correction)
     normaliser: float  # the loss aggregation's divisor over the whole optimizer step (all ranks)
     micro: tuple[tuple[int, int], ...] = ()  # the micro-batches' row ranges, in order (see micro_batches)
 
@@ -238,7 +253,7 @@ def updates_of(exp: Experience, cfg: RLConfig, n_ranks: int) -> list[list[TrainB
     into as many micro-batches as the rank that needs most (its forwards are collective under ZeRO-3)."""
     s, f = exp.samples, exp.forward
     whole = TrainBatch(s.input_ids, s.attention_mask, s.response_mask, exp.advantages, exp.returns,
-                       f.old_logp, f.ref_logp, f.values, 0.0)
+                       f.old_logp, f.ref_logp, f.values, s.rollout_logp, 0.0)
     tb = cfg.train.train_batch_size
     per_rank: list[list[TrainBatch]] = [[] for _ in range(n_ranks)]
     for start in range(0, whole.size, tb):

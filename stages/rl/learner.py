@@ -17,7 +17,13 @@ import os
 import torch
 
 from stages.common.logprobs import token_logps
-from stages.rl.algorithms import KL_ESTIMATORS, POLICY_LOSSES, PolicyLossInput, policy_objective
+from stages.rl.algorithms import (
+    IS_CORRECTIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    PolicyLossInput,
+    policy_objective,
+)
 from stages.rl.config import RLConfig
 from stages.rl.experience import StepPlan, TrainBatch, used_width
 
@@ -95,9 +101,9 @@ class Rank:
         sums: dict[str, float] = {}
         grad_norms = []
         for update in updates:
-            for k, (a, b) in enumerate(update.micro):
+            for i, (a, b) in enumerate(update.micro):
                 # the micro-batch count may differ from the configured accumulation steps (token budgets)
-                engine.set_gradient_accumulation_boundary(k == len(update.micro) - 1)
+                engine.set_gradient_accumulation_boundary(i == len(update.micro) - 1)
                 loss, metrics = micro_loss(update.rows(a, b).trimmed().to(device()))
                 engine.backward(loss * scale)
                 engine.step()
@@ -193,15 +199,24 @@ class Learner(Rank):
         logp, entropy = self._forward_logps(module, part.input_ids, part.attention_mask, part.response_mask, with_entropy=True)
         # on-policy (one update per rollout): the behaviour policy is the current one
         old_logp = part.old_logp if plan.old_logp else logp.detach()
-        inp = PolicyLossInput(logp, old_logp, part.advantages, mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
+        is_gspo = algo.is_correction is not None and algo.policy_loss == "gspo"
+        # GSPO with IS correction takes its sequence ratio against the engine's log-probs (as OpenRLHF)
+        inp = PolicyLossInput(logp, part.rollout_logp if is_gspo else old_logp, part.advantages, mask,
+                              algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
         per_token, clipped = POLICY_LOSSES[algo.policy_loss](inp)
+        extra = {}
+        if algo.is_correction is not None:
+            if not is_gspo:
+                per_token = per_token * IS_CORRECTIONS[algo.is_correction](old_logp, part.rollout_logp, mask, *algo.is_threshold)
+            # OpenRLHF's vllm_kl: how far the engine's sampling distribution is from the learners'
+            extra["vllm_kl"] = float(torch.where(keep, part.rollout_logp - old_logp.detach(), 0.0).sum())
         kl = torch.where(keep, KL_ESTIMATORS[algo.kl_estimator](logp, part.ref_logp), 0.0) if plan.ref_logp else torch.zeros_like(logp)
         loss = policy_objective(per_token, mask, algo.loss_agg, part.normaliser, kl=kl if plan.kl_loss else None,
                                 kl_coef=kl_coef, entropy=entropy, entropy_coef=algo.entropy_coef)
         return loss, {"policy_loss": float(torch.where(keep, per_token.detach(), 0.0).sum()),
                       "clip_ratio": float(clipped.float().sum()),
                       "entropy": float(torch.where(keep, entropy.detach(), 0.0).sum()),
-                      "kl": float(kl.detach().sum()), "tokens": float(mask.sum())}
+                      "kl": float(kl.detach().sum()), "tokens": float(mask.sum()), **extra}
 
     def weights_bytes(self, dtype: str) -> bytes | None:
         """The full policy state dict as safetensors bytes on rank 0 (every rank must call: ZeRO-3 gather).

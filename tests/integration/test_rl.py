@@ -225,6 +225,48 @@ def test_a_push_that_changes_nothing_is_caught_and_ray_is_cleaned_up(task_files,
     assert not list(tmp_path.glob("rl-*/checkpoint"))
 
 
+def test_dynamic_filtering_keeps_the_batch_and_the_stop_penalty_and_is_correction_apply(task_files, sft_policy, tmp_path):
+    """DAPO's filter on the toy reward: every trained group has a mean score strictly inside (0, 1), the batch
+    keeps rollout_batch_size groups, the filtered share is logged; truncated responses get the stop-properly
+    reward; TIS against an fp32 engine holding the learner's weights sees no gap (vllm_kl ~ 0)."""
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=2, train__world_size=1, train__zero_stage=2,
+                  log_rollouts_every=1, algo__dynamic_filtering=(0.0, 1.0), algo__dynamic_filtering_max_batches=8,
+                  algo__stop_properly_penalty=-0.5, algo__is_correction="tis")
+    steps = _metrics(run_rl(cfg, sft_policy))
+    assert len(steps) == 2
+    for k, m in enumerate(steps, start=1):
+        rows = [json.loads(ln) for ln in (next(tmp_path.glob("rl-*")) / "rollouts" / f"step_{k}.jsonl").read_text().splitlines()]
+        assert len(rows) == 8 * 4
+        means = [sum(r["reward"] for r in rows[g * 4 : (g + 1) * 4]) / 4 for g in range(8)]
+        assert all(0 < x < 1 for x in means), means
+        drawn, share = m["prompts_drawn"], m["filtered_share"]
+        assert drawn >= 8 and drawn % 8 == 0 and 0 <= share < 1
+        assert drawn * (1 - share) >= 8 - 1e-9  # enough groups passed; the first 8 were trained on
+        shaped = [-0.5 if r["truncated"] else r["reward"] for r in rows]
+        assert m["truncated_share"] == pytest.approx(sum(r["truncated"] for r in rows) / 32)
+        assert m["shaped_reward_mean"] == pytest.approx(sum(shaped) / 32, abs=1e-6)
+        assert abs(m["vllm_kl"]) < 1e-3, m["vllm_kl"]
+    assert any(m["filtered_share"] > 0 for m in steps), [m["filtered_share"] for m in steps]
+    assert 0 < sum(m["truncated_share"] for m in steps) < 2  # both kinds of ending occur
+
+
+def test_async_training_with_staleness_one_learns_the_toy_reward_and_every_sync_passes(task_files, sft_policy, tmp_path):
+    """The engine samples step k+1 while the learners train step k: from step 2 on, the batch comes from the
+    weights one update old, which the engine/learner gap shows (vllm_kl) and TIS corrects; the toy reward
+    still rises and the probe check passes after every push."""
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=8, train__world_size=1, train__zero_stage=2,
+                  rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
+                  train__lr=3e-3, algo__advantage_estimator="reinforce_baseline", rollout__async_=True,
+                  algo__is_correction="tis")
+    steps = _metrics(run_rl(cfg, sft_policy))
+    assert len(steps) == 8
+    first, last = sum(s["reward_mean"] for s in steps[:2]) / 2, sum(s["reward_mean"] for s in steps[-2:]) / 2
+    assert last > first + 0.25, [round(s["reward_mean"], 3) for s in steps]
+    assert all(s["sync_logprob_diff"] <= 1e-3 for s in steps), [s["sync_logprob_diff"] for s in steps]
+    assert abs(steps[0]["vllm_kl"]) < 1e-4  # step 1: sampled by the weights being trained
+    assert max(abs(s["vllm_kl"]) for s in steps[1:]) > 1e-3, [s["vllm_kl"] for s in steps]  # later: one update old
+
+
 def test_a_hung_learner_fails_the_step_at_its_deadline_naming_it(task_files, sft_policy, tmp_path, monkeypatch):
     from stages.rl.driver import CallTimeout
 

@@ -105,3 +105,42 @@ def test_sync_check_counts_only_tokens_the_learner_finds_likely():
     mean, worst, counted = logprob_difference(engine, learner, min_prob=0.0)  # every token
     assert counted == 4 and mean == pytest.approx((0.01 + 0.03 + 2.0 + 0.02) / 4, abs=1e-6) and worst == pytest.approx(2.0)
     assert logprob_difference(engine, learner, min_prob=0.95) == (0.0, 0.0, 0)
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop"])
+def test_the_learners_loss_weights_each_token_by_the_engine_is_correction(kind):
+    from stages.rl.algorithms import IS_CORRECTIONS
+
+    cfg = RLConfig.model_validate({
+        "data": {"paths": ["x.jsonl"]},
+        "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "max_new_tokens": 5},
+        "algo": {"advantage_estimator": "dr_grpo", "is_correction": kind, "is_threshold": (0.8, 1.25)},
+        "train": {"train_batch_size": 4, "micro_train_batch_size": 4},
+    })
+    plan = StepPlan.of(cfg)
+    assert plan.rollout_logp and not plan.old_logp
+    g = torch.Generator().manual_seed(2)
+    groups = [[Completion(p, torch.randint(10, 32, (n,), generator=g).tolist(), "", None) for n in ns]
+              for p, ns in zip([[1, 2], [3, 4, 5]], [(5, 2), (3, 4)])]
+    learner = Learner(0, 1)
+    learner.cfg, learner.plan = cfg, plan
+    model = _model()
+    # the engine's log-probs: the model's own, moved by up to +-0.4 nats (some ratios outside [0.8, 1.25])
+    s0 = Samples.of([0, 1], groups, pad_id=0, with_logp=False)
+    with torch.no_grad():
+        own = learner._forward_logps(model, s0.input_ids, s0.attention_mask)
+    for k, c in enumerate(c for grp in groups for c in grp):
+        start = len(c.prompt_ids)
+        c.logprobs = (own[k, start : start + len(c.token_ids)] + (torch.rand(len(c.token_ids), generator=g) - 0.5) * 0.8).tolist()
+    s = Samples.of([0, 1], groups, pad_id=0, with_logp=True)
+    exp = make_experience(plan, cfg, s, Scores.of({"rewards": torch.tensor([1.0, 0.0, 0.0, 2.0]), "scores": torch.zeros(4)}),
+                          Forward(None, None, None), kl_coef=0.0)
+    [[share]] = updates_of(exp, cfg, n_ranks=1)
+    loss, metrics = learner.micro_loss(model, share, kl_coef=0.0)
+    mask = s.response_mask.float()
+    logp = learner._forward_logps(model, s.input_ids, s.attention_mask).detach()
+    w = IS_CORRECTIONS[kind](logp, s.rollout_logp, mask, 0.8, 1.25)
+    assert 0 < int(((w > 0) & ((w - 1).abs() > 1e-6)).sum()) and (kind != "icepop" or bool(((w == 0) & mask.bool()).any()))
+    expected = (-exp.advantages * w * mask).sum() / mask.sum()  # ratio 1 on-policy; token_mean
+    assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-6)
+    assert metrics["vllm_kl"] == pytest.approx(float(((s.rollout_logp - logp) * mask).sum()), abs=1e-5)
