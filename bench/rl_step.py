@@ -14,7 +14,8 @@ what the rollout engine saves: both sides train on the same tokens with the same
 On CPU everything runs in fp32 (bf16 is slower there for these model sizes); on CUDA, in bf16.
 Prints the tables and writes bench/results/rl_step.json.
 
-Run: ``python -m bench.rl_step [model=PATH|preset=tiny] [steps=12] [prompts=32] [group=8] [tokens=16]``
+Run: ``python -m bench.rl_step [model=PATH|preset=tiny] [steps=12] [prompts=32] [group=8] [tokens=16,128]
+[max_tokens=2560] [generation=1]`` (``max_tokens``: our learner's micro-batch budget in positions)
 (needs ``pip install -e .[bench]`` for TRL)
 """
 
@@ -43,7 +44,10 @@ def cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int, tokens: int, steps: int, checkpointing: bool) -> dict:
+def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int, tokens: int, steps: int, checkpointing: bool,
+             micro: int | None = None) -> dict:
+    """TRL's step: the whole generation batch in one forward (``micro`` None) or ``micro`` samples per forward
+    with gradient accumulation over the same 256-sample batch (one generation, one optimizer step)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -76,7 +80,8 @@ def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int,
 
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=len(prompts) * group, num_generations=group,
+            output_dir=out, per_device_train_batch_size=micro or len(prompts) * group, num_generations=group,
+            gradient_accumulation_steps=(len(prompts) * group) // (micro or len(prompts) * group),
             max_completion_length=tokens, learning_rate=1e-5, max_steps=steps, logging_steps=1, report_to="none",
             use_cpu=not cuda(), bf16=cuda(), gradient_checkpointing=checkpointing, save_strategy="no", beta=0.0,
             loss_type="grpo", scale_rewards="group", temperature=1.0, seed=0, disable_tqdm=True,
@@ -88,7 +93,8 @@ def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int,
     samples = len(prompts) * group
     mean_len = statistics.mean(settled(lengths))
     dtype = "bf16" if cuda() else "fp32"
-    return {"system": f"TRL GRPOTrainer (transformers generate, {dtype}, grad ckpt {'on' if checkpointing else 'off'})",
+    split = f", {micro} per forward" if micro else ""
+    return {"system": f"TRL GRPOTrainer (transformers generate, {dtype}, grad ckpt {'on' if checkpointing else 'off'}{split})",
             "step_s": round(step, 3), "samples_per_s": round(samples / step, 1),
             "generated_tokens_per_s": round(samples * mean_len / step, 1), "mean_response_tokens": round(mean_len, 2)}
 
@@ -96,7 +102,36 @@ def trl_step(model_path: str, prompts: list[str], labels: list[str], group: int,
 PHASES = ("generate_s", "reward_s", "reference_s", "train_s", "sync_s")
 
 
-def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: int, overrides: tuple[str, ...] = ()) -> dict:
+def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
+    """fp32 GFLOP/s of an n x n matmul on this process's threads (the learner's share of the cores), best of
+    ``repeats``: the ceiling the training phase is measured against."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def training_flops(model_path: str, tokens_per_sample: float, samples: int) -> float:
+    """Forward + backward FLOPs of one update over the step's samples (prompt + response positions, no
+    padding): 6 x the non-embedding parameters per position, plus attention's 12 x layers x hidden x the mean
+    context (half the sequence) per position (Kaplan et al. 2020)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    h, layers, inter, v = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    per_layer = 4 * h * h + 3 * h * inter  # q, k, v, o (no grouped heads in the presets) + the gated MLP
+    params = layers * per_layer + h * v  # + the output head
+    return samples * tokens_per_sample * (6 * params + 12 * layers * h * tokens_per_sample / 2)
+
+
+def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: int, overrides: tuple[str, ...] = (),
+              prompt_tokens: float = 0.0) -> dict:
     from checkpoints import import_pretrained, load_ref
     from stages.common.recipe import load_config
     from stages.rl.config import RLConfig
@@ -121,11 +156,19 @@ def ours_step(model_path: str, group: int, prompts_n: int, tokens: int, steps: i
     step = statistics.median(s["total_s"] for s in timed)
     mean_len = statistics.mean(s["response_length"] for s in timed)
     samples = prompts_n * group
-    return {"system": f"rlhf-pipeline (vLLM {cfg.rollout.dtype} rollouts, DeepSpeed {cfg.train.dtype} learner, Ray)",
+    train_s = statistics.median(s["train_s"] for s in timed)
+    flops = training_flops(model_path, prompt_tokens + mean_len, samples)
+    budget = cfg.train.max_tokens_per_micro_batch
+    split = f"{budget} positions per micro-batch" if budget else f"{cfg.train.micro_train_batch_size} per forward"
+    mode = ", async (staleness 1, TIS)" if cfg.rollout.async_ else ""
+    return {"system": f"rlhf-pipeline (vLLM {cfg.rollout.dtype} rollouts, DeepSpeed {cfg.train.dtype} learner, {split}{mode}, Ray)",
+            "training_gflop_per_s": round(flops / train_s / 1e9, 1),
             "step_s": round(step, 3), "samples_per_s": round(samples / step, 1),
             "generated_tokens_per_s": round(samples * mean_len / step, 1), "mean_response_tokens": round(mean_len, 2),
             "generation_phase_tokens_per_s": round(statistics.median(s["generated_tokens_per_s"] for s in timed), 1),
-            "phases": {k: round(statistics.median(s[k] for s in timed), 3) for k in PHASES}}
+            "phases": {k: round(statistics.median(s[k] for s in timed), 3) for k in PHASES},
+            # the weight sync check passed at every step (else the run raised); its worst mean difference
+            "worst_sync_logprob_diff": max(s["sync_logprob_diff"] for s in steps_m if "sync_logprob_diff" in s)}
 
 
 def generation_only(model_path: str, prompt_ids: list[list[int]], group: int, tokens: int, repeats: int = 3) -> list[dict]:
@@ -188,9 +231,38 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
 
 
+def setting(model: str, prompts: list[str], labels: list[str], prompt_ids: list[list[int]], group: int, tokens: int,
+            steps: int, budget: int, with_generation: bool) -> dict:
+    """Every system at one response length, in the same process, one after the other."""
+    n = len(prompts)
+    prompt_tokens = statistics.mean(len(p) for p in prompt_ids)
+    budget_set = f"train.max_tokens_per_micro_batch={budget}"
+    results = [
+        # gradient checkpointing on was slower than off at both lengths in earlier runs (bench/README.md)
+        trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False),
+        trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False, micro=16),
+        ours_step(model, group, n, tokens, steps, (budget_set,), prompt_tokens=prompt_tokens),
+        # async: the engine samples step k+1 while the learners train step k; TIS corrects the one-update gap
+        ours_step(model, group, n, tokens, steps, (budget_set, "rollout.async=true", "algo.is_correction=tis"),
+                  prompt_tokens=prompt_tokens),
+    ]
+    if not cuda():  # bf16 rollouts beside the fp32 learner, the sync check on tokens of p >= sync_min_prob
+        results.append(ours_step(model, group, n, tokens, steps, (budget_set, "rollout.dtype=bfloat16", "sync_tolerance=0.05"),
+                                 prompt_tokens=prompt_tokens))
+    best_trl = max(r["samples_per_s"] for r in results if r["system"].startswith("TRL"))
+    for r in results:
+        r["samples_per_s_vs_best_trl"] = round(r["samples_per_s"] / best_trl, 2)
+    out = {"max_new_tokens": tokens, "results": results}
+    if with_generation:
+        out["generation_only"] = generation_only(model, prompt_ids, group, tokens)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
-    steps, n_prompts, group, tokens = int(args.get("steps", 12)), int(args.get("prompts", 32)), int(args.get("group", 8)), int(args.get("tokens", 16))
+    steps, n_prompts, group = int(args.get("steps", 12)), int(args.get("prompts", 32)), int(args.get("group", 8))
+    lengths = [int(t) for t in args.get("tokens", "16,128").split(",")]
+    budget = int(args.get("max_tokens", 2560))
     model = args.get("model")
     with tempfile.TemporaryDirectory() as root:
         if model is None:
@@ -208,25 +280,27 @@ def main(argv: list[str] | None = None) -> None:
         data_cfg = load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml")]).data
         tok = AutoTokenizer.from_pretrained(model)
         prompt_ids = [tok(render_prompt(tok, p, data_cfg), add_special_tokens=False)["input_ids"] for p in prompts]
-        results = [
-            trl_step(model, prompts, labels, group, tokens, steps, checkpointing=True),
-            trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False),
-            ours_step(model, group, n_prompts, tokens, steps),
-        ]
-        generation = generation_only(model, prompt_ids, group, tokens)
-    best_trl = max(r["samples_per_s"] for r in results[:2])
-    for r in results:
-        r["samples_per_s_vs_best_trl"] = round(r["samples_per_s"] / best_trl, 2)
-    print(f"\nRL step, {n_prompts} prompts x {group} samples, up to {tokens} new tokens, model {model}\n")
-    print(table(results, ["system", "step_s", "samples_per_s", "generated_tokens_per_s", "mean_response_tokens", "samples_per_s_vs_best_trl"]))
-    print("\nWhere our step's time goes (median seconds)\n")
-    print(table([results[-1]["phases"]], list(PHASES)))
-    print("\nGeneration alone, same prompts x samples x tokens\n")
-    print(table(generation, ["engine", "seconds", "tokens", "tokens_per_s", "vs_best_transformers"]))
+        peak = matmul_peak()
+        settings = [setting(model, prompts, labels, prompt_ids, group, t, steps, budget, args.get("generation", "1") == "1")
+                    for t in lengths]
+    for st in settings:
+        for r in st["results"]:
+            if "training_gflop_per_s" in r:
+                r["training_share_of_peak"] = round(r["training_gflop_per_s"] / peak, 2)
+        print(f"\nRL step, {n_prompts} prompts x {group} samples, up to {st['max_new_tokens']} new tokens, model {model}\n")
+        print(table(st["results"], ["system", "step_s", "samples_per_s", "generated_tokens_per_s", "mean_response_tokens",
+                                    "samples_per_s_vs_best_trl"]))
+        ours = [r for r in st["results"] if "phases" in r]
+        print(f"\nWhere our step's time goes (median seconds); training FLOP/s against the measured fp32 matmul peak {peak:.1f} GFLOP/s\n")
+        print(table([{"system": r["system"], **r["phases"], "training_gflop_per_s": r["training_gflop_per_s"],
+                      "training_share_of_peak": r["training_share_of_peak"]} for r in ours],
+                    ["system", *PHASES, "training_gflop_per_s", "training_share_of_peak"]))
+        if "generation_only" in st:
+            print("\nGeneration alone, same prompts x samples x tokens\n")
+            print(table(st["generation_only"], ["engine", "seconds", "tokens", "tokens_per_s", "vs_best_transformers"]))
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"prompts": n_prompts, "group": group, "max_new_tokens": tokens, "steps": steps,
-                               "device": "cuda" if cuda() else "cpu", "model": model, "results": results,
-                               "generation_only": generation}, indent=2))
+    OUT.write_text(json.dumps({"prompts": n_prompts, "group": group, "steps": steps, "device": "cuda" if cuda() else "cpu",
+                               "model": model, "matmul_peak_gflop_per_s": round(peak, 1), "settings": settings}, indent=2))
     print(f"wrote {OUT}")
 
 
