@@ -50,6 +50,9 @@ class Completion:
     logprobs: list[float] | None
     # vLLM's finish_reason: "stop" (a stop token or string ended it), "length" (max_tokens reached), None if unknown
     finish_reason: str | None = None
+    # which of token_ids the model sampled (1) and which an environment appended (0; multi-turn agents):
+    # None when all were sampled
+    action_mask: list[int] | None = None
 
 
 def request_seed(seed: int, i: int) -> int:

@@ -39,10 +39,9 @@ def source_file(ref: str, default_attr: str = "") -> str | None:
     return spec.origin if spec is not None and spec.origin and Path(spec.origin).is_file() else None
 
 
-def load_callable(ref: str, default_attr: str, what: str, signature: str, error: type[Exception] = PluginError) -> Callable[..., Any]:
-    """The callable ``ref`` names; ``error`` (naming ``what`` and ``ref``) when it is missing, fails to import
-    or is not callable."""
-    head, attr, is_file = split_ref(ref, default_attr)
+def load_module(ref: str, what: str, error: type[Exception] = PluginError):
+    """The module a reference's code lives in (a file imported from its path, or a module by its dotted name)."""
+    head, _, is_file = split_ref(ref, "")
     if is_file:
         p = Path(head)
         if not p.is_file():
@@ -53,12 +52,18 @@ def load_callable(ref: str, default_attr: str, what: str, signature: str, error:
             spec.loader.exec_module(module)
         except Exception as e:
             raise error(f"{what} {ref}: failed to import ({type(e).__name__}: {e})") from e
-    else:
-        try:
-            module = importlib.import_module(head)
-        except Exception as e:
-            raise error(f"{what} {ref}: module '{head}' failed to import ({type(e).__name__}: {e})") from e
-    func = getattr(module, attr, None)
+        return module
+    try:
+        return importlib.import_module(head)
+    except Exception as e:
+        raise error(f"{what} {ref}: module '{head}' failed to import ({type(e).__name__}: {e})") from e
+
+
+def load_callable(ref: str, default_attr: str, what: str, signature: str, error: type[Exception] = PluginError) -> Callable[..., Any]:
+    """The callable ``ref`` names; ``error`` (naming ``what`` and ``ref``) when it is missing, fails to import
+    or is not callable."""
+    _, attr, _ = split_ref(ref, default_attr)
+    func = getattr(load_module(ref, what, error), attr, None)
     if not callable(func):
         raise error(f"{what} {ref}: defines no callable '{attr}{signature}'")
     return func

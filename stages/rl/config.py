@@ -61,6 +61,10 @@ class RolloutConfig(BaseModel):
     # engine's log-probs are kept for the IS correction (algo.is_correction, which async runs should set)
     async_: bool = Field(False, alias="async")
     max_staleness: int = Field(1, ge=1)
+    # multi-turn agents (stages.rl.agents): a file (or module) defining reset(prompt, label) and
+    # step(state, action_text); its step rewards replace the reward source; at most max_turns actions an episode
+    agent: str | None = None
+    max_turns: int = Field(2, ge=1)
 
 
 class AlgoConfig(BaseModel):
@@ -259,6 +263,15 @@ class RLConfig(BaseModel):
         sources = [k for k in ("func", "url", "model") if getattr(self.reward, k)]
         if len(sources) > 1:
             raise ValueError(f"reward: give one of func, url, model (got {', '.join(sources)})")
+        if self.rollout.agent:
+            if sources:
+                raise ValueError(f"reward.{sources[0]}: rollout.agent's step gives the rewards; remove reward.{sources[0]} "
+                                 "(or rollout.agent)")
+            if self.rollout.async_:
+                raise ValueError("rollout.async: not supported with rollout.agent (an episode's turns wait on the driver); "
+                                 "set rollout.async: false")
+            if self.eval_grader:
+                raise ValueError("eval_grader: rollout.agent scores the held-out episodes itself; remove eval_grader")
         if self.algo.advantage_estimator in NEEDS_CRITIC and self.critic.freezing_steps >= self.max_steps:
             raise ValueError(f"critic.freezing_steps: {self.critic.freezing_steps} leaves no step of the {self.max_steps} "
                              "(max_steps) to train the policy in")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -224,7 +225,12 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
         require_kind(reward_model, ("reward",), "the RL reward model")
         reward_fn = None
     else:
-        reward_fn = make_reward_source(config)  # fails fast on a bad reward file
+        # fails fast on a bad reward file; an agent's steps give the rewards
+        reward_fn = None if config.rollout.agent else make_reward_source(config)
+    if config.rollout.agent:
+        from stages.rl.agents import load_agent
+
+        load_agent(config.rollout.agent)  # a bad agent file fails here, before Ray starts
     critic_init = None
     if plan.values:
         critic_init = critic or reward_model or policy
@@ -323,6 +329,11 @@ class RLLoop:
             self.grader = load_grader(cfg.eval_grader)
         self.policy_path = policy_path
         self.plan = StepPlan.of(cfg)
+        self.agent = None
+        if cfg.rollout.agent:
+            from stages.rl.agents import load_agent
+
+            self.agent = load_agent(cfg.rollout.agent)
         n = cfg.train.world_size
         ro = cfg.rollout
         updates_per_step = ro.rollout_batch_size * ro.n_samples_per_prompt // cfg.train.train_batch_size
@@ -365,8 +376,10 @@ class RLLoop:
     # -- the pieces of a step, in the order the loop calls them --------------------------------------
 
     def _render(self, row: dict) -> list[int]:
-        text = render_prompt(self.tok, row[self.cfg.data.prompt_key], self.cfg.data)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return self._render_prompt(row[self.cfg.data.prompt_key])
+
+    def _render_prompt(self, prompt) -> list[int]:
+        return self.tok(render_prompt(self.tok, prompt, self.cfg.data), add_special_tokens=False)["input_ids"]
 
     def launch(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False) -> list:
         """Start generating on every engine (a round-robin shard of the prompts each); :meth:`gather` waits.
@@ -389,23 +402,53 @@ class RLLoop:
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False):
         return self.gather(self.launch(prompt_ids, n, temperature, seed, logprobs))
 
-    def start_rollout(self, step: int, extra: int = 0) -> tuple[list[int], list]:
-        """Start sampling the step's prompts (``extra`` > 0: its extra batch number ``extra``, drawn for dynamic
-        filtering), ``n_samples_per_prompt`` each (with vLLM's log-probs when the plan asks for them):
-        the prompts' rows and the engines' pending calls."""
-        ro = self.cfg.rollout
+    def batch(self, step: int, extra: int = 0) -> tuple[list[int], int]:
+        """The rows of the step's prompts (``extra`` > 0: its extra batch number ``extra``, drawn for dynamic
+        filtering) and their sampling seed."""
         if extra:
             idx = self.extra_schedule.global_batch(step * self.cfg.algo.dynamic_filtering_max_batches + extra - 1)
         else:
             idx = self.schedule.global_batch(step)
-        refs = self.launch([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature,
-                           self.cfg.seed * 100_003 + step + extra * 1_000_033, logprobs=self.plan.rollout_logp)
-        return list(idx), refs
+        return list(idx), self.cfg.seed * 100_003 + step + extra * 1_000_033
+
+    def start_rollout(self, step: int, extra: int = 0) -> tuple[list[int], list]:
+        """Start sampling the step's prompts, ``n_samples_per_prompt`` each (with vLLM's log-probs when the plan
+        asks for them): the prompts' rows and the engines' pending calls."""
+        ro = self.cfg.rollout
+        idx, seed = self.batch(step, extra)
+        refs = self.launch([self.prompt_ids[i] for i in idx], ro.n_samples_per_prompt, ro.temperature, seed,
+                           logprobs=self.plan.rollout_logp)
+        return idx, refs
 
     def rollout(self, step: int, extra: int = 0, started: tuple[list[int], list] | None = None) -> tuple[list[int], list]:
-        """The step's prompts and their sampled groups (``started``: from :meth:`start_rollout`, ahead of time)."""
+        """The step's prompts and their sampled groups (``started``: from :meth:`start_rollout`, ahead of time);
+        with an agent, its episodes, turn by turn."""
+        ro = self.cfg.rollout
+        if self.agent is not None:
+            idx, seed = self.batch(step, extra)
+            return idx, self.episodes([self.rows[i] for i in idx], self.cfg.data, ro.n_samples_per_prompt, ro.temperature,
+                                      seed, self.plan.rollout_logp)
         idx, refs = started or self.start_rollout(step, extra)
         return idx, self.gather(refs)
+
+    def episodes(self, rows: list[dict], data, n: int, temperature: float, seed: int, logprobs: bool) -> list[list]:
+        """The agent's episodes on ``rows`` (``data``: the config naming their prompt and label columns), ``n``
+        per row, every turn's actions sampled by the engines."""
+        from stages.rl.agents import run_episodes
+
+        ro = self.cfg.rollout
+        return run_episodes(self.agent, lambda ids, k, s: self.generate(ids, k, temperature, s, logprobs), self.tok,
+                            self._render_prompt, rows, data.prompt_key, data.label_key, n, ro.max_turns,
+                            ro.max_new_tokens, ro.max_model_len, seed, logprobs)
+
+    def score_groups(self, samples: Samples, groups: list) -> Scores:
+        """The samples' scores: the reward source's, or an agent's episodes' own (their last info as metrics)."""
+        if self.agent is None:
+            return self.score(samples)
+        flat = [e for g in groups for e in g]
+        logs = {k: torch.tensor([e.info.get(k, float("nan")) for e in flat]) for k in sorted({k for e in flat for k in e.info})}
+        logs["turns"] = torch.tensor([float(e.turns) for e in flat])
+        return Scores(torch.tensor([e.reward for e in flat]), torch.tensor([e.score for e in flat]), logs)
 
     def collect(self, step: int, started: tuple[list[int], list] | None = None) -> tuple[Samples, Scores, dict[str, float]]:
         """The step's samples and their scores. With ``algo.dynamic_filtering`` (DAPO), the groups whose mean
@@ -415,7 +458,7 @@ class RLLoop:
         algo, ro = self.cfg.algo, self.cfg.rollout
         idx, groups = self.rollout(step, started=started)
         samples = Samples.of(idx, groups, self.tok.pad_token_id, self.plan.rollout_logp)
-        scored = self.score(samples)
+        scored = self.score_groups(samples, groups)
         if algo.dynamic_filtering is None:
             return samples, scored, {}
         from stages.rl.algorithms import groups_in_range
@@ -425,7 +468,7 @@ class RLLoop:
         for extra in range(algo.dynamic_filtering_max_batches + 1):
             if extra:
                 idx, groups = self.rollout(step, extra)
-                scored = self.score(Samples.of(idx, groups, self.tok.pad_token_id, self.plan.rollout_logp))
+                scored = self.score_groups(Samples.of(idx, groups, self.tok.pad_token_id, self.plan.rollout_logp), groups)
             drawn += len(idx)
             keep = groups_in_range(scored.scores, n, *algo.dynamic_filtering)
             kept_idx += [idx[g] for g in keep]
@@ -563,6 +606,14 @@ class RLLoop:
         """Greedy held-out score: task accuracy from a reward func/endpoint, the mean score from a reward model."""
         if not self.eval_rows:
             return {}
+        if self.agent is not None:  # greedy episodes, scored by the agent
+            flat = [g[0] for g in self.episodes(self.eval_rows, self.cfg.eval_data, 1, 0.0, self.cfg.seed, False)]
+            out = {"eval_accuracy": sum(e.score for e in flat) / len(flat), "eval_turns": sum(e.turns for e in flat) / len(flat)}
+            for k in sorted({k for e in flat for k in e.info}):
+                counted = [e.info[k] for e in flat if k in e.info and not math.isnan(e.info[k])]
+                if counted:
+                    out[f"eval_{k}"] = sum(counted) / len(counted)
+            return out
         groups = self.generate([self._render(r) for r in self.eval_rows], 1, 0.0, self.cfg.seed)
         samples = Samples.of(list(range(len(self.eval_rows))), groups, self.tok.pad_token_id, with_logp=False)
         if self.grader is not None:
@@ -617,7 +668,10 @@ class RLLoop:
             for k, (p, r, text) in enumerate(zip(samples.prompt_ids, samples.response_ids, samples.texts, strict=True)):
                 f.write(json.dumps({"prompt_index": samples.prompt_index[k // per], "prompt_ids": p, "response_ids": r,
                                     "response": text, "reward": scored.rewards[k].item(),
-                                    "truncated": bool(samples.truncated[k])}) + "\n")
+                                    "truncated": bool(samples.truncated[k]),
+                                    # an agent's episodes: 1 on the model's tokens, 0 on the environment's
+                                    **({"action_mask": samples.response_mask[k, len(p) : len(p) + len(r)].tolist()}
+                                       if self.agent is not None else {})}) + "\n")
 
     # -- the loop ----------------------------------------------------------------------------------------
 
@@ -639,9 +693,10 @@ class RLLoop:
         for step in tqdm(range(start, cfg.max_steps), desc="rl", disable=not cfg.train.progress_bar):
             t, t0 = {}, time.perf_counter()
             self.reward_time = 0.0
-            while len(pending) < 1 + ahead and step + len(pending) < cfg.max_steps:  # the later ones sample while this trains
+            # the later ones sample while this trains (an agent's episodes run turn by turn in collect)
+            while self.agent is None and len(pending) < 1 + ahead and step + len(pending) < cfg.max_steps:
                 pending.append(self.start_rollout(step + len(pending)))
-            samples, scored, filtered = self.collect(step, pending.popleft())
+            samples, scored, filtered = self.collect(step, pending.popleft() if pending else None)
             t["generate_s"] = time.perf_counter() - t0 - self.reward_time  # with async: the wait for the batch
             t["reward_s"] = self.reward_time
             if cfg.log_rollouts_every and step % cfg.log_rollouts_every == 0:
@@ -682,7 +737,8 @@ class RLLoop:
                 "sync_logprob_diff": sync_mean,
                 "sync_max_logprob_diff": sync_max,
                 **m,
-                **{k: v.mean().item() for k, v in scored.extra_logs.items()},
+                # NaN: not counted (e.g. an agent's second-attempt success on episodes solved at the first)
+                **{k: v.float().nanmean().item() for k, v in scored.extra_logs.items() if not v.float().isnan().all()},
                 **t,
                 "generated_tokens_per_s": float(lengths.sum().item()) / max(t["generate_s"], 1e-9),
             }
@@ -723,7 +779,8 @@ SPEC = StageSpec(
     (Input("policy", (POLICY,), field="base"), Input("reward_model", (REWARD,), field="reward.model"),
      Input("critic", (REWARD, POLICY), field="critic.model", needed=lambda config: StepPlan.of(config).values)),
     output=trained_output(POLICY, ADAPTER),
-    files=("data.paths", "eval_data.paths", "reward.func", "eval_grader"), plugins=("reward.func", "eval_grader"),
+    files=("data.paths", "eval_data.paths", "reward.func", "eval_grader", "rollout.agent"),
+    plugins=("reward.func", "eval_grader", "rollout.agent"),
 )
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ class Samples:
     texts: list[str]  # [B]
     input_ids: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor  # [B, T]
-    response_mask: torch.Tensor  # [B, T] 1 on response tokens
+    response_mask: torch.Tensor  # [B, T] 1 on response tokens the model sampled (an agent's environment tokens: 0)
     rollout_logp: torch.Tensor | None  # [B, T] vLLM's sampling log-probs at response positions (plan.rollout_logp)
     truncated: torch.Tensor  # [B] bool: the response hit max_new_tokens without a stop token (finish_reason "length")
 
@@ -89,7 +89,7 @@ class Samples:
             p, r = len(c.prompt_ids), len(c.token_ids)
             ids[i, : p + r] = torch.tensor(c.prompt_ids + c.token_ids)
             attn[i, : p + r] = 1
-            resp[i, p : p + r] = 1
+            resp[i, p : p + r] = 1 if c.action_mask is None else torch.tensor(c.action_mask)
             if logp is not None:
                 logp[i, p : p + r] = torch.tensor(c.logprobs)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)

@@ -267,6 +267,55 @@ def test_async_training_with_staleness_one_learns_the_toy_reward_and_every_sync_
     assert max(abs(s["vllm_kl"]) for s in steps[1:]) > 1e-3, [s["vllm_kl"] for s in steps]  # later: one update old
 
 
+def _retry_until_one(folder: Path) -> Path:
+    """A two-turn toy agent the micro model can learn: every first answer gets "wrong, try again" (a chat turn);
+    a second answer starting with the digit 1 earns 1."""
+    agent = folder / "retry_agent.py"
+    agent.write_text(
+        "RETRY = {'role': 'user', 'content': 'wrong, try again'}\n"
+        "def reset(prompt, label):\n"
+        "    return {'turn': 0}, None\n"
+        "def step(state, action_text):\n"
+        "    state['turn'] += 1\n"
+        "    if state['turn'] == 1:\n"
+        "        return RETRY, 0.0, False, {'second_attempt_success': float('nan')}\n"
+        "    hit = float(action_text.startswith('1'))\n"
+        "    return None, hit, True, {'second_attempt_success': hit}\n"
+    )
+    return agent
+
+
+def test_a_two_turn_agent_learns_its_second_attempt_on_exactly_the_tokens_it_sampled(task_files, sft_policy, tokenizer, tmp_path):
+    """Token in, token out over two turns: the environment's tokens sit between the actions, out of the loss; the
+    learner's log-probs of every action token equal vLLM's sampling log-probs in the same context (vllm_kl ~ 0 with
+    fp32 on both sides), and the second attempt's success rises."""
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=8, train__world_size=1, train__zero_stage=2,
+                  rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
+                  train__lr=3e-3, algo__advantage_estimator="reinforce_baseline", rollout__agent=str(_retry_until_one(tmp_path)),
+                  rollout__max_turns=2, algo__is_correction="tis", reward={}, log_rollouts_every=1,
+                  eval_data={"paths": [str(task_files["eval"])], "prompt_key": "prompt", "label_key": "answer", "max_samples": 16})
+    ref = run_rl(cfg, sft_policy)
+    steps = _metrics(ref)
+    assert len(steps) == 8
+    first = sum(s["second_attempt_success"] for s in steps[:2]) / 2
+    last = sum(s["second_attempt_success"] for s in steps[-2:]) / 2
+    assert last > first + 0.25, [round(s["second_attempt_success"], 3) for s in steps]
+    assert all(s["turns"] == 2.0 for s in steps)
+    assert max(abs(s["vllm_kl"]) for s in steps) < 1e-3, [s["vllm_kl"] for s in steps]
+    retry = tokenizer("<|user|>wrong, try again<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+    rows = [json.loads(ln) for ln in (Path(ref.path).parent / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    for row in rows:
+        ids, mask = row["response_ids"], row["action_mask"]
+        env = [t for t, m in zip(ids, mask, strict=True) if m == 0]
+        assert env == retry  # exactly one observation, tokenized as it was appended
+        start = mask.index(0)
+        assert start > 0 and ids[start : start + len(retry)] == retry  # right after the first action
+        assert all(mask[start + len(retry) :])  # the second action, in the loss
+        assert row["reward"] == float(tokenizer.decode(ids[start + len(retry) :], skip_special_tokens=True).startswith("1"))
+    summary = read_manifest(ref.path).extra
+    assert summary["final_eval"]["eval_turns"] == 2.0 and "eval_second_attempt_success" in summary["final_eval"]
+
+
 def test_a_hung_learner_fails_the_step_at_its_deadline_naming_it(task_files, sft_policy, tmp_path, monkeypatch):
     from stages.rl.driver import CallTimeout
 
