@@ -8,7 +8,8 @@ best gain reached within 10 minutes. Prints a table and writes bench/results/rl_
 Run: ``python -m bench.rl_gain [sft=PATH] [critic=PATH] [steps=60] [estimators=reinforce_baseline,group_norm,gae] [key=value ...]``
 (``critic``: the checkpoint gae's critic starts from, e.g. the reward model stage's; default: the SFT policy;
 ``out``: the JSON to write, default bench/results/rl_gain.json)
-(remaining ``key=value`` arguments override recipes/rl/tiny.yaml)
+(remaining ``key=value`` arguments override recipes/rl/tiny.yaml; the multi-turn example:
+``estimators=reinforce_baseline rollout.agent=recipes/agents/arithmetic_retry.py reward.func=null out=bench/results/rl_gain_agent.json``)
 """
 
 from __future__ import annotations
@@ -68,11 +69,16 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"estimator": est, "critic_init": opts.get("critic") if est == "gae" else None, "steps": cfg.max_steps, "seed": cfg.seed, "lr": cfg.train.lr,
                      "sft_accuracy": round(before, 4), "rl_accuracy": round(after, 4),
                      "gain_points": round(100 * (after - before), 1), "rl_wall_s": round(wall, 1), "checkpoint": ref.path,
-                     **timeline(metrics, wall, before)})
+                     **timeline(metrics, wall, before),
+                     # an agent's own held-out metrics (e.g. eval_second_attempt_success), before and after RL
+                     "other_eval": {k: [round(extra["initial_eval"].get(k, float("nan")), 4), round(v, 4)]
+                                    for k, v in extra["final_eval"].items() if k != "eval_accuracy"}})
     cols = ["estimator", "steps", "seed", "lr", "sft_accuracy", "rl_accuracy", "gain_points", "rl_wall_s", "best_gain_within_600s"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+        for k, (b, a) in r["other_eval"].items():
+            print(f"  {k}: {b} -> {a}")
     out = Path(opts.get("out", OUT))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"sft": sft.path, "overrides": overrides, "rows": rows}, indent=2))
