@@ -6,7 +6,8 @@ nothing runs if any stage recipe or wiring is wrong), then runs each stage as th
 to stage. A stage whose cache key (config + input digests + code version) has a stored result that
 still verifies comes back Cached; ``refresh`` names stages to rerun regardless. After a failure in
 stage k, running the flow again (or retrying the flow run from the UI/CLI) reruns k and what follows.
-The eval stage's report is published as markdown and image artifacts.
+Each stage's training curves (:mod:`flows.curves`), the eval report (table and plot) and a summary of
+the run (each stage's run folder, checkpoint digest and report) are published as markdown artifacts.
 
 Run: ``python -m flows.full_rlhf [recipes/pipelines/tiny.yaml] [--refresh sft,rl] [--output-root runs]``
 """
@@ -14,6 +15,7 @@ Run: ``python -m flows.full_rlhf [recipes/pipelines/tiny.yaml] [--refresh sft,rl
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from checkpoints import CheckpointRef, remembered_hashes
+from flows.curves import artifact_key, data_uri
 from flows.pipeline import PROJECT_ROOT, Plan, plan
 from flows.tasks import cached_result_usable, run_stage
+from stages.common.stage import StageRun
 from stages.eval import EvalReport
 
 DEFAULT_PIPELINE = "recipes/pipelines/tiny.yaml"
@@ -41,7 +45,8 @@ def full_rlhf(
     unknown = set(refresh) - {s.spec.name for s in p.stages}
     if unknown:
         raise ValueError(f"refresh: no stages named {sorted(unknown)} in {pipeline} (its stages: {[s.spec.name for s in p.stages]})")
-    outputs = run_plan(p, refresh=set(refresh))
+    runs: dict[str, StageRun] = {}
+    outputs = run_plan(p, refresh=set(refresh), runs=runs)
     summary: dict[str, Any] = {}
     for name, out in outputs.items():
         if isinstance(out, EvalReport):
@@ -50,10 +55,11 @@ def full_rlhf(
             print(f"[full-rlhf] {name} report: {out.markdown}\n{Path(out.markdown).read_text()}")
         else:
             summary[name] = {"path": out.path, "kind": out.kind, "digest": out.digest}
+    _publish_summary(pipeline, outputs, runs)
     return summary
 
 
-def run_plan(p: Plan, refresh: set[str] | bool = False) -> dict[str, CheckpointRef | EvalReport]:
+def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun] | None = None) -> dict[str, CheckpointRef | EvalReport]:
     """Run a checked plan's stages in order as cached tasks; ``refresh``: stage names (or True: all) to rerun.
 
     Each stage's identity (:meth:`StageSpec.identify`: config, input digests, file digests, code version)
@@ -64,6 +70,8 @@ def run_plan(p: Plan, refresh: set[str] | bool = False) -> dict[str, CheckpointR
     with remembered_hashes():
         for st in p.stages:
             inputs, run = st.identify(outputs)
+            if runs is not None:
+                runs[st.spec.name] = run
             force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
             if not force and not cached_result_usable(run.key):
                 logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")
@@ -82,13 +90,36 @@ def run_plan(p: Plan, refresh: set[str] | bool = False) -> dict[str, CheckpointR
     return outputs
 
 
+def report_key(name: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", f"eval-report-{name}".lower()).strip("-")
+
+
 def _publish_report(name: str, report: EvalReport) -> None:
+    """The eval report in the UI: its table and its plot inside the markdown (a data URI: no file to reach)."""
     md = Path(report.markdown).read_text()
     create_markdown_artifact(
-        markdown=f"{md}\n![metrics per stage]({Path(report.plot).resolve().as_uri()})\n\nFiles: `{report.folder}`",
-        key=f"eval-report-{name}".replace("_", "-"),
+        markdown=f"{md}\n![metrics per stage]({data_uri(Path(report.plot).read_bytes())})\n\nFiles: `{report.folder}`",
+        key=report_key(name),
         description=f"held-out eval ({name})",
     )
+
+
+def _publish_summary(pipeline: str, outputs: dict[str, CheckpointRef | EvalReport], runs: dict[str, StageRun]) -> None:
+    """The flow's last artifact: each stage's run folder, checkpoint (kind, digest) and report (its curves
+    artifact or the eval report)."""
+    lines = [f"### {pipeline}: {len(outputs)} stages", "",
+             "| stage | kind | run folder | checkpoint | digest | report |", "|---|---|---|---|---|---|"]
+    for name, out in outputs.items():
+        folder = runs[name].run_dir.resolve()
+        link = f"[{folder.name}]({folder.as_uri()})"
+        if isinstance(out, EvalReport):
+            lines.append(f"| {name} | eval | {link} | - | - | [{report_key(name)}](/artifacts/key/{report_key(name)}): `{out.markdown}` |")
+            continue
+        has_curves = (runs[name].run_dir / "metrics.jsonl").is_file()
+        report = f"[{artifact_key(name)}](/artifacts/key/{artifact_key(name)})" if has_curves else "-"
+        lines.append(f"| {name} | {out.kind} | {link} | `{out.path}` | `{out.digest[:16]}` | {report} |")
+    create_markdown_artifact(markdown="\n".join(lines) + "\n", key="pipeline-summary",
+                             description=f"{pipeline}: each stage's run folder, checkpoint digest and report")
 
 
 def main(argv: list[str] | None = None) -> None:

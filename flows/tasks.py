@@ -11,10 +11,15 @@ Prefect database), the task returns that instead of training again (``refresh`` 
 The stage runs in a subprocess of its own (``stages.common.launcher``), so a crash, an OOM kill or a
 Ray cluster of the stage cannot take the flow process with it; its traceback becomes the task's error,
 and the launcher kills the subprocess's whole process group on failure, timeout or cancellation.
+
+While the stage runs, a thread of the task publishes its step progress (a progress artifact with the latest
+metrics) and its training curves (:mod:`flows.curves`, from the stage's ``metrics.jsonl``); both get a
+last update when the stage ends, also when it fails.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Any
 
@@ -23,6 +28,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from checkpoints import CheckpointError, CheckpointRef, verify
+from flows.curves import Curves
 from stages import registry
 from stages.common.launcher import launch
 from stages.common.progress import read_progress
@@ -71,9 +77,11 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     spec = registry.spec(run.stage)
+    curves = Curves(name, run.stage, run.run_dir / "metrics.jsonl")
     existing = spec.existing(run) if reuse else None
     if existing is not None:
         print(f"[{name}] {run.stage}: {run.run_dir} already holds this run's output (same identity); not rerun")
+        _final_curves(curves)
         return existing
     folder = run.prepare() / "task"
     progress_file = folder / "progress.json"
@@ -93,8 +101,13 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
             if now[0] is not None and now != last:
                 publish(*now)
                 last = now
+            try:
+                curves.update()
+            except Exception as e:  # the UI's picture must never stop training
+                print(f"[{name}] training curves not published: {e!r}")
 
-    watcher = threading.Thread(target=watch, daemon=True)
+    # the task run's context travels with the thread: what it publishes belongs to this task and flow run
+    watcher = threading.Thread(target=contextvars.copy_context().run, args=(watch,), daemon=True)
     watcher.start()
     try:
         out = launch("flows.tasks:stage_job", job, 1, folder, timeout_s=timeout_s,
@@ -102,10 +115,18 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     finally:
         done.set()
         watcher.join()
+        _final_curves(curves)  # a failed stage still shows what it logged
     publish(100.0, read_progress(progress_file)[1])
     result = spec.result.model_validate(out)
     print(f"[{name}] {run.stage} -> {result.markdown if isinstance(result, EvalReport) else result.path}")
     return result
+
+
+def _final_curves(curves: Curves) -> None:
+    try:
+        curves.update(final=True)
+    except Exception as e:
+        print(f"[{curves.name}] training curves not published: {e!r}")
 
 
 def stage_job(job: dict, rank: int, world_size: int) -> dict:

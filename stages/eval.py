@@ -36,6 +36,7 @@ from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
 from stages.common.graders import grade, load_grader
 from stages.common.launcher import launch
+from stages.common.plots import y_scale
 from stages.common.stage import POLICY, REPORT, REWARD, Input, StageRun, StageSpec, cli_run
 
 METRICS = ("accuracy", "pass@k", "response_length", "reward", "kl_to_reference")
@@ -149,7 +150,8 @@ def run_eval(
 
 
 def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> EvalReport:
-    """``metrics.json``, a markdown table and a PNG bar plot (one panel per metric, a bar per model)."""
+    """``metrics.json``, a markdown table and a PNG bar plot (one panel per metric, a bar per model, its value
+    on it; a panel whose values span orders of magnitude on a log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,8 +176,12 @@ def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> 
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2), squeeze=False)
     for ax, m in zip(axes[0], shown, strict=True):
         labels = [label for label in metrics if metrics[label].get(m) is not None]
-        ax.bar(labels, [metrics[label][m] for label in labels], color="tab:blue")
-        ax.set_title(names.get(m, m), fontsize=9)
+        values = [metrics[label][m] for label in labels]
+        bars = ax.bar(labels, values, color="tab:blue")
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        scale = y_scale(values)  # e.g. KL: a random base's hundreds of nats beside trained models' few
+        ax.set_yscale(**scale)
+        ax.set_title(names.get(m, m) + ("" if scale["value"] == "linear" else " (log scale)"), fontsize=9)
         ax.tick_params(axis="x", labelrotation=45, labelsize=8)
     fig.tight_layout()
     plot = folder / "report.png"

@@ -221,7 +221,7 @@ class RLConfig(BaseModel):
     base: str = "tiny:tiny"  # the starting policy, from the CLI; flows pass the SFT checkpoint
     data: DataConfig
     eval_data: DataConfig | None = None
-    eval_steps: int = Field(0, ge=0)  # greedy held-out accuracy every N steps (and at the end); 0 = only at the end
+    eval_steps: int = Field(0, ge=0)  # greedy held-out accuracy every N steps (and before the first, as step 0, and with the last); 0 = those two only
     # what grades the held-out responses (stages.common.graders: a built-in name, module:function or file.py);
     # unset: the reward source's scores (a reward model: its mean score)
     eval_grader: str | None = None

@@ -683,7 +683,9 @@ class RLLoop:
         cfg, plan = self.cfg, self.plan
         start, probe = self.resume() if cfg.train.resume else (0, None)
         writer = MetricsWriter(self.run_dir, start, enabled=True, prefix="rl")
-        initial = self.evaluate()
+        initial, final = self.evaluate(), None
+        if start == 0 and initial:
+            writer.write(0, initial)  # step 0: the starting policy's held-out metrics, where the curves begin
         history = []
         n_samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
         # async: the engines sample up to max_staleness steps ahead while the learners train; a weight push
@@ -742,7 +744,10 @@ class RLLoop:
                 **t,
                 "generated_tokens_per_s": float(lengths.sum().item()) / max(t["generate_s"], 1e-9),
             }
-            if cfg.eval_steps and (step + 1) % cfg.eval_steps == 0 and step + 1 < cfg.max_steps:
+            if step + 1 == cfg.max_steps:  # the final eval, logged with the last step
+                final = self.evaluate()
+                m.update(final)
+            elif cfg.eval_steps and (step + 1) % cfg.eval_steps == 0:
                 m.update(self.evaluate())
             history.append({"step": step + 1, **m})
             writer.write(step + 1, m)
@@ -751,7 +756,8 @@ class RLLoop:
                 self.save_state(step + 1, probe)
             if os.environ.get("RLHF_FAULT_STEP") == str(step + 1):  # test hook: the task dies here
                 raise RuntimeError(f"injected fault after RL step {step + 1}")
-        final = self.evaluate()
+        if final is None:  # resumed after the last step
+            final = self.evaluate()
         writer.close()
         return {"initial_eval": initial, "final_eval": final, "last_step": history[-1] if history else {}}
 

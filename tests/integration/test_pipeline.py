@@ -192,20 +192,84 @@ def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage(results, task_f
     rows = [json.loads(ln) for ln in (Path(dpo["path"]).parent / "metrics.jsonl").read_text().splitlines()]
     last_eval = [r for r in rows if "eval_reward_accuracy" in r][-1]
     assert last_eval["step"] == rows[-1]["step"] == 3
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterType,
-        FlowRunFilter,
-        FlowRunFilterId,
-    )
-
-    with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])),
-                                     flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-    (desc,) = [a.description for a in arts if a.description.startswith("dpo (dpo)")]
+    arts = flow_artifacts(state)
+    (desc,) = [a.description for a in arts if a.type == "progress" and a.description.startswith("dpo (dpo)")]
     assert f"step 3/3, loss {rows[-1]['loss']:.4g}" in desc, desc
     assert f"eval at step 3: loss {last_eval['eval_loss']:.4g}" in desc and f"reward_accuracy {last_eval['eval_reward_accuracy']:.4g}" in desc, desc
+    curves = assert_curves(arts, "dpo", rows)  # loss, implicit rewards, accuracy and margin, train and held-out
+    assert {"loss", "eval_loss", "reward_accuracy", "eval_reward_accuracy", "reward_margin", "eval_reward_margin"} <= set(curves)
+
+
+def test_each_stage_publishes_its_curves_the_eval_its_plot_and_the_flow_a_summary(results, task_files):
+    """After a tiny flow run (base -> RL -> eval), the Prefect API holds the RL stage's curves artifact
+    (reward, held-out accuracy, KL, entropy, response length by step: what metrics.jsonl holds), the eval
+    report with its plot inside (a data URI, no file to reach) and the flow's summary of every stage."""
+    small = {"max_steps": 2, "eval_steps": 1, "data.paths": [str(task_files["rl_prompts"])], "eval_data.paths": [str(task_files["eval"])],
+             "eval_data.max_samples": 16, "rollout.rollout_batch_size": 8, "rollout.n_samples_per_prompt": 4,
+             "rollout.max_new_tokens": 6, "train.train_batch_size": 32, "train.micro_train_batch_size": 16, "train.progress_bar": False}
+    stages = [{"name": "base", "stage": "tiny_model", "overrides": {"preset": "micro"}},
+              {"name": "rl", "stage": "rl", "recipe": "recipes/rl/tiny.yaml", "inputs": {"policy": "base"}, "overrides": small},
+              {"name": "eval", "stage": "eval", "recipe": "recipes/eval/tiny.yaml", "inputs": {"models": ["base", "rl"], "reference": "base"},
+               "overrides": {"data.paths": [str(task_files["eval"])], "data.max_samples": 16, "max_new_tokens": 6, "num_samples": 2, "pass_k": 2}}]
+    recipe = results / "pipeline.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "looked-at", "output_root": str(results / "runs"), "stages": stages}))
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Completed", 1), "rl": ("Completed", 1), "eval": ("Completed", 1)}
+    out = state.result()
+    arts = flow_artifacts(state)
+
+    rl_dir = Path(out["rl"]["path"]).parent
+    rows = [json.loads(ln) for ln in (rl_dir / "metrics.jsonl").read_text().splitlines()]
+    curves = assert_curves(arts, "rl", rows)
+    assert {"reward_mean", "eval_accuracy", "kl", "entropy", "response_length", "policy_loss"} <= set(curves)
+    assert not [a for a in arts if a.key in ("base-curves", "eval-curves")]  # no training log, no curves
+
+    (report,) = [a for a in arts if a.key == "eval-report-eval"]
+    assert_self_contained(report.data)
+    assert "| base |" in report.data and "| rl |" in report.data
+
+    (summary,) = [a for a in arts if a.key == "pipeline-summary"]
+    for name in ("base", "rl"):
+        assert out[name]["digest"][:16] in summary.data and Path(out[name]["path"]).parent.resolve().as_uri() in summary.data
+    assert "(/artifacts/key/rl-curves)" in summary.data and "(/artifacts/key/eval-report-eval)" in summary.data
+    assert Path(out["eval"]["report"]).parent.resolve().as_uri() in summary.data
+
+
+def flow_artifacts(state) -> list:
+    """Every artifact the flow run behind ``state`` (and its task runs) published, in creation order."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+
+
+def assert_self_contained(markdown: str) -> None:
+    """The markdown's images are PNGs inside it (the UI needs no file and no other server)."""
+    import base64
+    import re
+
+    uris = re.findall(r"!\[[^\]]*\]\(([^)]*)\)", markdown)
+    assert uris and "file:" not in markdown.split("Files:")[0]
+    for uri in uris:
+        assert uri.startswith("data:image/png;base64,") and base64.b64decode(uri.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def assert_curves(arts, name: str, rows: list[dict]) -> dict[str, list]:
+    """The stage's one curves artifact (updated in place, not one per update): self-contained, every plotted
+    metric with at least two points, each equal to the stage's metrics.jsonl at its step (4 digits)."""
+    from flows.curves import artifact_key, parse_table
+
+    (art,) = [a for a in arts if a.key == artifact_key(name)]
+    assert_self_contained(art.data)
+    assert f"{len(rows)} logged steps, finished" in art.data
+    table = parse_table(art.data)
+    assert table and all(len(pts) >= 2 for pts in table.values()), {k: len(v) for k, v in table.items()}
+    at = {r["step"]: r for r in rows}
+    for key, pts in table.items():
+        for step, value in pts:
+            assert value == pytest.approx(at[step][key], rel=5e-4, abs=1e-12), (key, step)
+    return table
 
 
 def test_bad_pipeline_is_rejected_before_any_stage_runs(results, task_files):

@@ -64,8 +64,11 @@ def _first_digit_one(folder: Path) -> Path:
     return func
 
 
-def _metrics(ref) -> list[dict]:
-    return [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
+def _metrics(ref, initial: bool = False) -> list[dict]:
+    """The RL steps' rows of metrics.jsonl (``initial``: with step 0's, the held-out eval before the first
+    step, which a run with eval_data logs)."""
+    rows = [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
+    return rows if initial else [r for r in rows if r["step"] > 0]
 
 
 def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files, sft_policy, tmp_path):
@@ -84,6 +87,10 @@ def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files
     assert (m.kind, m.stage, m.parent) == ("full", "rl", sft_policy.digest)
     steps = _metrics(ref)
     assert [s["step"] for s in steps] == [1, 2, 3]
+    # the held-out eval before the first step and after the last are the curves' ends (step 0, step 3)
+    initial, final = m.extra["initial_eval"], m.extra["final_eval"]
+    assert _metrics(ref, initial=True)[0] == {"step": 0, **initial}
+    assert {k: steps[-1][k] for k in final} == final
     # every push verified: vLLM (fp32) and the learners agree on the probe after each update
     assert all(s["sync_logprob_diff"] <= 1e-3 and s["sync_max_logprob_diff"] <= 1e-2 for s in steps)
     # two updates per rollout: the learners compute old log-probs, and vLLM's sampling log-probs of every
