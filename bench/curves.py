@@ -7,7 +7,7 @@ Reported per variant: the median step time and the training loop's total (from t
 ``metrics.jsonl``: ``step_time_s``, which the ranks time themselves), the number of curves updates and
 what one costs (drawing the plot + table, publishing to the API), measured on the final log.
 
-Run: ``python -m bench.curves [steps=200] [rounds=2]``; writes bench/results/curves.json.
+Run: ``python -m bench.curves [steps=100] [rounds=2]``; writes bench/results/curves.json.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from flows.full_rlhf import full_rlhf
 
     args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
-    steps, rounds = int(args.get("steps", 200)), int(args.get("rounds", 2))
+    steps, rounds = int(args.get("steps", 100)), int(args.get("rounds", 2))
     runs: dict[str, list[dict]] = {name: [] for name, _ in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=120):
         recipe = pipeline(Path(tmp), steps)
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                 curves.MIN_INTERVAL_S = interval
                 counted.clear()
                 t0 = time.perf_counter()
-                out = full_rlhf(str(recipe), output_root=str(Path(tmp) / f"r{r}-{len(runs[name])}-{interval}"))
+                out = full_rlhf(str(recipe), refresh=["sft"], output_root=str(Path(tmp) / f"r{r}-{len(runs[name])}-{interval}"))
                 wall = time.perf_counter() - t0
                 log = Path(out["sft"]["path"]).parent / "metrics.jsonl"
                 rows = [json.loads(ln) for ln in log.read_text().splitlines()]

@@ -178,8 +178,8 @@ class Curves:
 
     def update(self, final: bool = False) -> bool:
         """Redraw and publish if new steps were logged (and ``min_interval_s`` passed, unless ``final``)."""
-        if not final and time.monotonic() - self.last < self.min_interval_s:
-            return False
+        if not final and (self.min_interval_s == math.inf or time.monotonic() - self.last < self.min_interval_s):
+            return False  # inf: only the last update
         rows = load_rows(self.path)
         if not rows or (len(rows) == self.rows_published and not final):
             return False
