@@ -27,7 +27,7 @@ from stages.common.plots import y_scale
 
 KINDS = ("loss", "reward", "accuracy", "kl", "entropy", "length", "margin")
 MAX_PANELS = 8
-MAX_ROWS = 30  # table rows: evenly spread over the log, the first and the last step always in
+MAX_ROWS = 20  # table rows: evenly spread over the log, the first and the last step always in
 MIN_INTERVAL_S = 10.0  # the least time between two updates while the stage runs (the last one always comes)
 
 

@@ -29,6 +29,12 @@ def make_llm(
     kwargs = {}
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        # vLLM's CPU runner fails on a seeded request whose prefill is split across steps (it rewinds the
+        # request's generator with set_offset, which CPU generators lack: "CPU Generator does not use
+        # offset"), and every sampled request here is seeded; so on CPU a prompt is prefilled whole, in a
+        # later step when the step's token budget is spent (tests/integration/test_vllm.py)
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
     return LLM(
         model=model_path,
         dtype=dtype,

@@ -57,3 +57,25 @@ def test_eval_stage_report(trained, micro_model, task_files, tmp_path):
     md = Path(report.markdown).read_text()
     assert "| base | 0.0% |" in md and "| sft |" in md and "kl_to_reference" in md
     assert Path(report.plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def seeded_rank(job: dict, rank: int, world_size: int) -> dict:
+    """Launcher target: the same seeded sampling three times (seeds 3, 3, 4) in one engine."""
+    from stages.common.generation import generate, make_llm
+
+    llm = make_llm(job["model"], dtype="float32")
+    runs = [[[c.token_ids for c in g] for g in generate(llm, job["prompts"], max_new_tokens=4, temperature=1.0, n=2, seed=s)]
+            for s in (3, 3, 4)]
+    return {"runs": runs, "budget": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens}
+
+
+def test_seeded_sampling_of_more_prompt_tokens_than_one_engine_step_takes(micro_model, tmp_path):
+    """Prompts whose tokens exceed one engine step's budget: vLLM's CPU runner used to fail on the seeded
+    request whose prefill was split across two steps ("CPU Generator does not use offset"); each prompt is
+    now prefilled whole, and the samples reproduce with their seed (the second call also hits the prefix cache)."""
+    prompts = [[5 + (i + j) % 20 for j in range(120)] for i in range(48)]
+    out = launch("tests.integration.test_vllm:seeded_rank", {"model": micro_model.path, "prompts": prompts}, 1, tmp_path)
+    assert sum(map(len, prompts)) * 2 > out["budget"]  # 48 prompts x 2 samples x 120 tokens: more than one step
+    first, again, other = out["runs"]
+    assert first == again and first != other
+    assert all(len(g) == 2 and all(1 <= len(t) <= 4 for t in g) for g in first)
