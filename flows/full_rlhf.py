@@ -105,21 +105,37 @@ def _publish_report(name: str, report: EvalReport) -> None:
 
 
 def _publish_summary(pipeline: str, outputs: dict[str, CheckpointRef | EvalReport], runs: dict[str, StageRun]) -> None:
-    """The flow's last artifact: each stage's run folder, checkpoint (kind, digest) and report (its curves
-    artifact or the eval report)."""
-    lines = [f"### {pipeline}: {len(outputs)} stages", "",
-             "| stage | kind | run folder | checkpoint | digest | report |", "|---|---|---|---|---|---|"]
+    """The flow's last artifact: each stage's run folder (a link; ``checkpoint/`` in it holds the output),
+    checkpoint kind and digest, and its report (its curves artifact or the eval report)."""
+    ids = _artifact_ids()
+
+    def report(key: str) -> str:  # this run's artifact; a cached stage's curves: the key's history
+        return f"[{key}](/artifacts/artifact/{ids[key]})" if key in ids else f"[{key}](/artifacts/key/{key})"
+
+    roots = sorted({str(r.run_dir.resolve().parent) for r in runs.values()})
+    lines = [f"### {pipeline}: {len(outputs)} stages", "", f"Run folders under `{'`, `'.join(roots)}`; each stage's output in its `checkpoint/`.", "",
+             "| stage | kind | run folder | digest | report |", "|---|---|---|---|---|"]
     for name, out in outputs.items():
         folder = runs[name].run_dir.resolve()
         link = f"[{folder.name}]({folder.as_uri()})"
         if isinstance(out, EvalReport):
-            lines.append(f"| {name} | eval | {link} | - | - | [{report_key(name)}](/artifacts/key/{report_key(name)}): `{out.markdown}` |")
+            lines.append(f"| {name} | eval | {link} | - | {report(report_key(name))} |")
             continue
         has_curves = (runs[name].run_dir / "metrics.jsonl").is_file()
-        report = f"[{artifact_key(name)}](/artifacts/key/{artifact_key(name)})" if has_curves else "-"
-        lines.append(f"| {name} | {out.kind} | {link} | `{out.path}` | `{out.digest[:16]}` | {report} |")
+        lines.append(f"| {name} | {out.kind} | {link} | `{out.digest[:16]}` | {report(artifact_key(name)) if has_curves else '-'} |")
     create_markdown_artifact(markdown="\n".join(lines) + "\n", key="pipeline-summary",
                              description=f"{pipeline}: each stage's run folder, checkpoint digest and report")
+
+
+def _artifact_ids() -> dict[str, Any]:
+    """{key: id} of the artifacts this flow run (and its task runs) published."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.context import get_run_context
+
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[get_run_context().flow_run.id])))
+    return {a.key: a.id for a in arts if a.key}
 
 
 def main(argv: list[str] | None = None) -> None:

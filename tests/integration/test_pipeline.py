@@ -231,7 +231,9 @@ def test_each_stage_publishes_its_curves_the_eval_its_plot_and_the_flow_a_summar
     (summary,) = [a for a in arts if a.key == "pipeline-summary"]
     for name in ("base", "rl"):
         assert out[name]["digest"][:16] in summary.data and Path(out[name]["path"]).parent.resolve().as_uri() in summary.data
-    assert "(/artifacts/key/rl-curves)" in summary.data and "(/artifacts/key/eval-report-eval)" in summary.data
+    for key in ("rl-curves", "eval-report-eval"):  # links to this run's artifacts
+        (art,) = [a for a in arts if a.key == key]
+        assert f"[{key}](/artifacts/artifact/{art.id})" in summary.data
     assert Path(out["eval"]["report"]).parent.resolve().as_uri() in summary.data
 
 
