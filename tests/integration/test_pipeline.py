@@ -200,43 +200,6 @@ def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage(results, task_f
     assert {"loss", "eval_loss", "reward_accuracy", "eval_reward_accuracy", "reward_margin", "eval_reward_margin"} <= set(curves)
 
 
-def test_each_stage_publishes_its_curves_the_eval_its_plot_and_the_flow_a_summary(results, task_files):
-    """After a tiny flow run (base -> RL -> eval), the Prefect API holds the RL stage's curves artifact
-    (reward, held-out accuracy, KL, entropy, response length by step: what metrics.jsonl holds), the eval
-    report with its plot inside (a data URI, no file to reach) and the flow's summary of every stage."""
-    small = {"max_steps": 2, "eval_steps": 1, "data.paths": [str(task_files["rl_prompts"])], "eval_data.paths": [str(task_files["eval"])],
-             "eval_data.max_samples": 16, "rollout.rollout_batch_size": 8, "rollout.n_samples_per_prompt": 4,
-             "rollout.max_new_tokens": 6, "train.train_batch_size": 32, "train.micro_train_batch_size": 16, "train.progress_bar": False}
-    stages = [{"name": "base", "stage": "tiny_model", "overrides": {"preset": "micro"}},
-              {"name": "rl", "stage": "rl", "recipe": "recipes/rl/tiny.yaml", "inputs": {"policy": "base"}, "overrides": small},
-              {"name": "eval", "stage": "eval", "recipe": "recipes/eval/tiny.yaml", "inputs": {"models": ["base", "rl"], "reference": "base"},
-               "overrides": {"data.paths": [str(task_files["eval"])], "data.max_samples": 16, "max_new_tokens": 6, "num_samples": 2, "pass_k": 2}}]
-    recipe = results / "pipeline.yaml"
-    recipe.write_text(yaml.safe_dump({"name": "looked-at", "output_root": str(results / "runs"), "stages": stages}))
-    state, tasks = run_flow(pipeline=str(recipe))
-    assert tasks == {"base": ("Completed", 1), "rl": ("Completed", 1), "eval": ("Completed", 1)}
-    out = state.result()
-    arts = flow_artifacts(state)
-
-    rl_dir = Path(out["rl"]["path"]).parent
-    rows = [json.loads(ln) for ln in (rl_dir / "metrics.jsonl").read_text().splitlines()]
-    curves = assert_curves(arts, "rl", rows)
-    assert {"reward_mean", "eval_accuracy", "kl", "entropy", "response_length", "policy_loss"} <= set(curves)
-    assert not [a for a in arts if a.key in ("base-curves", "eval-curves")]  # no training log, no curves
-
-    (report,) = [a for a in arts if a.key == "eval-report-eval"]
-    assert_self_contained(report.data)
-    assert "| base |" in report.data and "| rl |" in report.data
-
-    (summary,) = [a for a in arts if a.key == "pipeline-summary"]
-    for name in ("base", "rl"):
-        assert out[name]["digest"][:16] in summary.data and Path(out[name]["path"]).parent.resolve().as_uri() in summary.data
-    for key in ("rl-curves", "eval-report-eval"):  # links to this run's artifacts
-        (art,) = [a for a in arts if a.key == key]
-        assert f"[{key}](/artifacts/artifact/{art.id})" in summary.data
-    assert Path(out["eval"]["report"]).parent.resolve().as_uri() in summary.data
-
-
 def flow_artifacts(state) -> list:
     """Every artifact the flow run behind ``state`` (and its task runs) published, in creation order."""
     from prefect.client.orchestration import get_client
