@@ -51,16 +51,16 @@ def main() -> None:
             raise SystemExit(f"no {args.stage}-curves artifact on {api}: run the pipeline first")
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=list(keys))),
                                      flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[curves.flow_run_id])))
+        (summary,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-summary"])),
+                                           sort=ArtifactSort.CREATED_DESC, limit=1)  # the newest run's summary
     found = {a.key: a for a in arts}
     if set(keys) - set(found):
         raise SystemExit(f"flow run {curves.flow_run_id} lacks the artifacts {sorted(set(keys) - set(found))}")
     shoot(f"{ui}/runs/flow-run/{curves.flow_run_id}", HERE / "ui-flow-run.png", 1440, 1100)
     for key, name in keys.items():
         shoot(f"{ui}/artifacts/artifact/{found[key].id}", HERE / name, 1440, 1500 if key.endswith("curves") else 1000)
-    with get_client(sync_client=True) as client:  # the newest run's summary
-        (summary,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-summary"])),
-                                           sort=ArtifactSort.CREATED_DESC, limit=1)
     shoot(f"{ui}/artifacts/artifact/{summary.id}", HERE / "ui-pipeline-summary.png", 1440, 900)
+
 
 if __name__ == "__main__":
     main()

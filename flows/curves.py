@@ -157,9 +157,13 @@ def markdown(name: str, stage: str, rows: list[dict[str, Any]], source: str, fin
             + f"\n{shown} of {len(rows)} logged steps shown; every step: `{source}`\n")
 
 
+def prefect_key(text: str) -> str:
+    """``text`` as a Prefect artifact key: lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+
+
 def artifact_key(name: str) -> str:
-    """Prefect artifact keys: lowercase letters, digits and dashes."""
-    return re.sub(r"[^a-z0-9-]+", "-", f"{name}-curves".lower()).strip("-")
+    return prefect_key(f"{name}-curves")
 
 
 class Curves:

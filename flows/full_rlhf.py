@@ -15,7 +15,6 @@ Run: ``python -m flows.full_rlhf [recipes/pipelines/tiny.yaml] [--refresh sft,rl
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from checkpoints import CheckpointRef, remembered_hashes
-from flows.curves import artifact_key, data_uri
+from flows.curves import artifact_key, data_uri, prefect_key
 from flows.pipeline import PROJECT_ROOT, Plan, plan
 from flows.tasks import cached_result_usable, run_stage
 from stages.common.stage import StageRun
@@ -91,7 +90,7 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
 
 
 def report_key(name: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", f"eval-report-{name}".lower()).strip("-")
+    return prefect_key(f"eval-report-{name}")
 
 
 def _publish_report(name: str, report: EvalReport) -> None:

@@ -81,7 +81,7 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     existing = spec.existing(run) if reuse else None
     if existing is not None:
         print(f"[{name}] {run.stage}: {run.run_dir} already holds this run's output (same identity); not rerun")
-        _final_curves(curves)
+        _update_curves(curves, final=True)
         return existing
     folder = run.prepare() / "task"
     progress_file = folder / "progress.json"
@@ -101,10 +101,7 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
             if now[0] is not None and now != last:
                 publish(*now)
                 last = now
-            try:
-                curves.update()
-            except Exception as e:  # the UI's picture must never stop training
-                print(f"[{name}] training curves not published: {e!r}")
+            _update_curves(curves)
 
     # the task run's context travels with the thread: what it publishes belongs to this task and flow run
     watcher = threading.Thread(target=contextvars.copy_context().run, args=(watch,), daemon=True)
@@ -115,17 +112,17 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     finally:
         done.set()
         watcher.join()
-        _final_curves(curves)  # a failed stage still shows what it logged
+        _update_curves(curves, final=True)  # a failed stage still shows what it logged
     publish(100.0, read_progress(progress_file)[1])
     result = spec.result.model_validate(out)
     print(f"[{name}] {run.stage} -> {result.markdown if isinstance(result, EvalReport) else result.path}")
     return result
 
 
-def _final_curves(curves: Curves) -> None:
+def _update_curves(curves: Curves, final: bool = False) -> None:
     try:
-        curves.update(final=True)
-    except Exception as e:
+        curves.update(final=final)
+    except Exception as e:  # the UI's picture must never stop training
         print(f"[{curves.name}] training curves not published: {e!r}")
 
 
