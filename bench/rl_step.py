@@ -15,7 +15,8 @@ On CPU everything runs in fp32 (bf16 is slower there for these model sizes); on 
 Prints the tables and writes bench/results/rl_step.json.
 
 Run: ``python -m bench.rl_step [model=PATH|preset=tiny] [steps=12] [prompts=32] [group=8] [tokens=16,128]
-[max_tokens=2560] [generation=1]`` (``max_tokens``: our learner's micro-batch budget in positions)
+[max_tokens=2560] [generation=1] [systems=trl,trl16,ours,async,bf16]`` (``max_tokens``: our learner's
+micro-batch budget in positions; another model than the default writes ``rl_step_<preset>.json``)
 (needs ``pip install -e .[bench]`` for TRL)
 """
 
@@ -231,27 +232,34 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
 
 
+SYSTEMS = ("trl", "trl16", "ours", "async", "bf16")
+
+
 def setting(model: str, prompts: list[str], labels: list[str], prompt_ids: list[list[int]], group: int, tokens: int,
-            steps: int, budget: int, with_generation: bool) -> dict:
-    """Every system at one response length, in the same process, one after the other."""
+            steps: int, budget: int, with_generation: bool, systems: tuple[str, ...] = SYSTEMS) -> dict:
+    """The ``systems`` at one response length, in the same process, one after the other: TRL whole-batch
+    (``trl``) and 16 samples per forward (``trl16``), ours synchronous (``ours``), async (``async``) and with
+    bf16 rollouts (``bf16``, CPU only)."""
     n = len(prompts)
     prompt_tokens = statistics.mean(len(p) for p in prompt_ids)
     budget_set = f"train.max_tokens_per_micro_batch={budget}"
-    results = [
+    runs = {
         # gradient checkpointing on was slower than off at both lengths in earlier runs (bench/README.md)
-        trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False),
-        trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False, micro=16),
-        ours_step(model, group, n, tokens, steps, (budget_set,), prompt_tokens=prompt_tokens),
+        "trl": lambda: trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False),
+        "trl16": lambda: trl_step(model, prompts, labels, group, tokens, steps, checkpointing=False, micro=16),
+        "ours": lambda: ours_step(model, group, n, tokens, steps, (budget_set,), prompt_tokens=prompt_tokens),
         # async: the engine samples step k+1 while the learners train step k; TIS corrects the one-update gap
-        ours_step(model, group, n, tokens, steps, (budget_set, "rollout.async=true", "algo.is_correction=tis"),
-                  prompt_tokens=prompt_tokens),
-    ]
-    if not cuda():  # bf16 rollouts beside the fp32 learner, the sync check on tokens of p >= sync_min_prob
-        results.append(ours_step(model, group, n, tokens, steps, (budget_set, "rollout.dtype=bfloat16", "sync_tolerance=0.05"),
-                                 prompt_tokens=prompt_tokens))
-    best_trl = max(r["samples_per_s"] for r in results if r["system"].startswith("TRL"))
+        "async": lambda: ours_step(model, group, n, tokens, steps, (budget_set, "rollout.async=true", "algo.is_correction=tis"),
+                                   prompt_tokens=prompt_tokens),
+        # bf16 rollouts beside the fp32 learner, the sync check on tokens of p >= sync_min_prob
+        "bf16": lambda: ours_step(model, group, n, tokens, steps, (budget_set, "rollout.dtype=bfloat16", "sync_tolerance=0.05"),
+                                  prompt_tokens=prompt_tokens),
+    }
+    results = [runs[k]() for k in systems if not (k == "bf16" and cuda())]
+    trl = [r["samples_per_s"] for r in results if r["system"].startswith("TRL")]
     for r in results:
-        r["samples_per_s_vs_best_trl"] = round(r["samples_per_s"] / best_trl, 2)
+        if trl:
+            r["samples_per_s_vs_best_trl"] = round(r["samples_per_s"] / max(trl), 2)
     out = {"max_new_tokens": tokens, "results": results}
     if with_generation:
         out["generation_only"] = generation_only(model, prompt_ids, group, tokens)
@@ -264,11 +272,18 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(t) for t in args.get("tokens", "16,128").split(",")]
     budget = int(args.get("max_tokens", 2560))
     model = args.get("model")
+    systems = tuple(args.get("systems", ",".join(SYSTEMS)).split(","))
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"systems: {unknown} unknown; valid: {', '.join(SYSTEMS)}")
+    preset = args.get("preset", "tiny")
+    # another model than the default one writes its own file (rl_step_<preset>.json), beside the default's
+    out_path = OUT if model is None and preset == "tiny" else OUT.with_name(f"rl_step_{preset if model is None else 'model'}.json")
     with tempfile.TemporaryDirectory() as root:
         if model is None:
             from stages.common.models import resolve_model
 
-            model = resolve_model(f"tiny:{args.get('preset', 'tiny')}", root).path
+            model = resolve_model(f"tiny:{preset}", root).path
         from transformers import AutoTokenizer
 
         from datasets_prep.sft import render_prompt
@@ -281,15 +296,15 @@ def main(argv: list[str] | None = None) -> None:
         tok = AutoTokenizer.from_pretrained(model)
         prompt_ids = [tok(render_prompt(tok, p, data_cfg), add_special_tokens=False)["input_ids"] for p in prompts]
         peak = matmul_peak()
-        settings = [setting(model, prompts, labels, prompt_ids, group, t, steps, budget, args.get("generation", "1") == "1")
-                    for t in lengths]
+        settings = [setting(model, prompts, labels, prompt_ids, group, t, steps, budget, args.get("generation", "1") == "1",
+                            systems) for t in lengths]
     for st in settings:
         for r in st["results"]:
             if "training_gflop_per_s" in r:
                 r["training_share_of_peak"] = round(r["training_gflop_per_s"] / peak, 2)
         print(f"\nRL step, {n_prompts} prompts x {group} samples, up to {st['max_new_tokens']} new tokens, model {model}\n")
         print(table(st["results"], ["system", "step_s", "samples_per_s", "generated_tokens_per_s", "mean_response_tokens",
-                                    "samples_per_s_vs_best_trl"]))
+                                    *(["samples_per_s_vs_best_trl"] if "samples_per_s_vs_best_trl" in st["results"][0] else [])]))
         ours = [r for r in st["results"] if "phases" in r]
         print(f"\nWhere our step's time goes (median seconds); training FLOP/s against the measured fp32 matmul peak {peak:.1f} GFLOP/s\n")
         print(table([{"system": r["system"], **r["phases"], "training_gflop_per_s": r["training_gflop_per_s"],
@@ -298,10 +313,11 @@ def main(argv: list[str] | None = None) -> None:
         if "generation_only" in st:
             print("\nGeneration alone, same prompts x samples x tokens\n")
             print(table(st["generation_only"], ["engine", "seconds", "tokens", "tokens_per_s", "vs_best_transformers"]))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"prompts": n_prompts, "group": group, "steps": steps, "device": "cuda" if cuda() else "cpu",
-                               "model": model, "matmul_peak_gflop_per_s": round(peak, 1), "settings": settings}, indent=2))
-    print(f"wrote {OUT}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"prompts": n_prompts, "group": group, "steps": steps, "device": "cuda" if cuda() else "cpu",
+                                    "model": model, "preset": None if args.get("model") else preset, "systems": list(systems),
+                                    "matmul_peak_gflop_per_s": round(peak, 1), "settings": settings}, indent=2))
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

@@ -203,6 +203,9 @@ class RayConfig(BaseModel):
     # the deadline of every call the driver waits on (a rollout, an update, a weight push, a save): an actor
     # that does not answer in time is named and the stage fails instead of hanging
     call_timeout_s: float = Field(3600.0, gt=0)
+    # the deadline of starting up: the placement group, every actor's model load and DeepSpeed set-up, the
+    # engines' start (a large model's load can take far longer than any step's call)
+    startup_timeout_s: float = Field(3600.0, gt=0)
 
 
 class RLTrainConfig(TrainConfig):

@@ -74,9 +74,9 @@ class CallTimeout(RuntimeError):
     """An actor gave no answer within ``ray.call_timeout_s``; the message names it."""
 
 
-def ray_get(refs, what: str, timeout_s: float):
-    """``ray.get`` with a deadline: ``what`` (``role.method``) and the rank of every call still pending
-    are named in the error (the actors of a list are in rank order)."""
+def ray_get(refs, what: str, timeout_s: float, setting: str = "ray.call_timeout_s"):
+    """``ray.get`` with a deadline (the config field ``setting``): ``what`` (``role.method``) and the rank of
+    every call still pending are named in the error (the actors of a list are in rank order)."""
     import ray
 
     many = isinstance(refs, list)
@@ -86,7 +86,7 @@ def ray_get(refs, what: str, timeout_s: float):
         ranks = [i for i, r in enumerate(refs_list) if r in pending]
         role, _, method = what.partition(".")
         raise CallTimeout(f"RL stage: {role} rank(s) {ranks} of {len(refs_list)} gave no answer to {method or what} within "
-                          f"{timeout_s:g} s (ray.call_timeout_s); stopping the stage and its Ray cluster")
+                          f"{timeout_s:g} s ({setting}); stopping the stage and its Ray cluster")
     out = ray.get(refs_list)
     return out if many else out[0]
 
@@ -275,7 +275,7 @@ def place(cfg: RLConfig, critics: int = 0):
     if own_bundles:
         bundles += [{"GPU": cfg.rollout.tensor_parallel_size} for _ in range(engines)] + [{"GPU": 1} for _ in range(critics)]
     pg = placement_group(bundles, strategy="PACK")
-    ray_get(pg.ready(), "placement group", cfg.ray.call_timeout_s)
+    ray_get(pg.ready(), "placement group", cfg.ray.startup_timeout_s, "ray.startup_timeout_s")
 
     def at(bundle: int) -> dict:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)}
@@ -297,15 +297,15 @@ def place(cfg: RLConfig, critics: int = 0):
     return pg, learner_opts, engine_opts, critic_opts
 
 
-def _group(cls, n: int, opts, runtime_env: dict, config: dict, model_path: str, total_updates: int) -> list:
-    """``n`` ranks of ``cls`` (a Learner or Critic) as Ray actors forming one torch.distributed group."""
+def _start_group(cls, n: int, opts, runtime_env: dict, config: dict, model_path: str, total_updates: int) -> tuple[list, list]:
+    """``n`` ranks of ``cls`` (a Learner or Critic) as Ray actors forming one torch.distributed group: the actors
+    and their pending ``setup`` calls (wait with :func:`ray_get`; other actors can start meanwhile)."""
     import ray
 
     actors = [ray.remote(cls).options(runtime_env=runtime_env, **opts(r)).remote(r, n) for r in range(n)]
-    who, timeout = cls.__name__.lower(), config["ray"]["call_timeout_s"]
-    master = ray_get(actors[0].address.remote(), f"{who}.address", timeout)
-    ray_get([a.setup.remote(config, model_path, total_updates, master) for a in actors], f"{who}.setup", timeout)
-    return actors
+    master = ray_get(actors[0].address.remote(), f"{cls.__name__.lower()}.address", config["ray"]["startup_timeout_s"],
+                     "ray.startup_timeout_s")
+    return actors, [a.setup.remote(config, model_path, total_updates, master) for a in actors]
 
 
 class RLLoop:
@@ -345,18 +345,28 @@ class RLLoop:
         self.pg, learner_opts, engine_opts, critic_opts = place(cfg, n if self.plan.values else 0)
         config = cfg.model_dump(mode="json")
         policy_steps = (cfg.max_steps - (cfg.critic.freezing_steps if self.plan.values else 0)) * updates_per_step * cfg.algo.ppo_epochs
-        self.learners = _group(Learner, n, learner_opts, learner_env, config, policy_path, policy_steps)
-        self.critics = []
+        # the engines start while the learners load (their processes import vLLM and build the engine meanwhile);
+        # on GPUs shared with the learners (colocate_all) after them, so vLLM sizes its cache on what they left
+        def start_engines() -> list:
+            return [
+                ray.remote(RolloutEngine).options(runtime_env=engine_env, **engine_opts(i)).remote(
+                    policy_path, seed=cfg.seed + i, dtype=ro.dtype, max_model_len=ro.max_model_len
+                )
+                for i in range(ro.num_engines)
+            ]
+
+        engines_wait = torch.cuda.is_available() and cfg.ray.colocate_all
+        self.engines = [] if engines_wait else start_engines()
+        self.learners, setups = _start_group(Learner, n, learner_opts, learner_env, config, policy_path, policy_steps)
+        self.critics, critic_setups = [], []
         if self.plan.values:
-            self.critics = _group(Critic, n, critic_opts, learner_env, config, critic_path,
-                                  cfg.max_steps * updates_per_step * cfg.algo.ppo_epochs)
-        self.engines = [
-            ray.remote(RolloutEngine).options(runtime_env=engine_env, **engine_opts(i)).remote(
-                policy_path, seed=cfg.seed + i, dtype=ro.dtype, max_model_len=ro.max_model_len
-            )
-            for i in range(ro.num_engines)
-        ]
-        self.get([e.ready.remote() for e in self.engines], "engine.ready")
+            self.critics, critic_setups = _start_group(Critic, n, critic_opts, learner_env, config, critic_path,
+                                                       cfg.max_steps * updates_per_step * cfg.algo.ppo_epochs)
+        self.startup(setups, "learner.setup")
+        self.startup(critic_setups, "critic.setup")
+        if engines_wait:
+            self.engines = start_engines()
+        self.startup([e.ready.remote() for e in self.engines], "engine.ready")
         self.reward_actor = None
         if reward_model_path:  # the reward model is served from its own actor, sharing the CPUs like vLLM
             self.reward_actor = (
@@ -372,6 +382,9 @@ class RLLoop:
 
     def get(self, refs, what: str):
         return ray_get(refs, what, self.cfg.ray.call_timeout_s)
+
+    def startup(self, refs, what: str):
+        return ray_get(refs, what, self.cfg.ray.startup_timeout_s, "ray.startup_timeout_s") if refs else []
 
     # -- the pieces of a step, in the order the loop calls them --------------------------------------
 
