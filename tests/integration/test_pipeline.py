@@ -82,46 +82,13 @@ def project_copy(root: Path, monkeypatch) -> Path:
     return root
 
 
-def test_cache_hits_and_every_kind_of_miss(results, task_files, monkeypatch):
-    project_copy(results / "project", monkeypatch)
-    recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs")
-
-    state, tasks = run_flow(pipeline=str(recipe))
-    first = state.result()
-    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
-    assert verify(first["sft"]["path"]).digest == first["sft"]["digest"]
-
-    state, tasks = run_flow(pipeline=str(recipe))
-    assert tasks == {"base": ("Cached", 1), "sft": ("Cached", 1)}
-    assert state.result()["sft"] == first["sft"]
-
-    # a config value changes: SFT reruns, the base stays cached
-    _, tasks = run_flow(pipeline=str(recipe), overrides={"sft": {"train.lr": 1e-3}})
-    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
-
-    # the cached checkpoint is altered (a deleted one fails the same verification): SFT reruns, its output
-    # verifies again. (A code edit rerunning exactly its importers: the next test and test_stage_identity.)
-    sft_dir = Path(first["sft"]["path"])
-    with open(sft_dir / "model.safetensors", "r+b") as f:
-        f.seek(-4, os.SEEK_END)
-        f.write(b"\x00\x01\x02\x03")
-    state, tasks = run_flow(pipeline=str(recipe))
-    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
-    verify(state.result()["sft"]["path"])
-
-    # an input checkpoint changes (another base model): SFT, whose own config is unchanged, reruns
-    _, tasks = run_flow(pipeline=str(recipe), overrides={"base": {"seed": 1}})
-    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
-
-    # refresh forces a stage to rerun
-    _, tasks = run_flow(pipeline=str(recipe), refresh=["sft"])
-    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
-
-
-def test_one_identity_transitive_code_edits_data_edits_in_place_and_a_cli_run(results, task_files, monkeypatch):
-    """The run identity decides everything: an edit to a module DPO imports only through another reruns DPO
-    alone; a dataset edited in place gives DPO a new run folder and leaves the old checkpoint as it was;
-    an SFT run from the CLI is found by the flow (same identity, same folder) instead of trained again."""
+def test_one_identity_decides_every_hit_and_miss_code_data_config_input_refresh_and_a_cli_run(results, task_files, monkeypatch):
+    """The run identity decides everything, on base -> sft -> dpo: an unchanged recipe comes back Cached; an edit
+    to a module DPO imports only through another reruns DPO alone; a dataset edited in place gives DPO a new run
+    folder and leaves the old checkpoint as it was; an altered checkpoint fails verification and its stage
+    reruns; refresh forces a stage; a config change of SFT reruns it, and DPO, whose own config is unchanged,
+    on its new input; an SFT run from the CLI is found by the flow (same identity, same folder) instead of
+    trained again."""
     import shutil
 
     from checkpoints import read_manifest
@@ -133,6 +100,11 @@ def test_one_identity_transitive_code_edits_data_edits_in_place_and_a_cli_run(re
     state, tasks = run_flow(pipeline=str(recipe))
     assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1), "dpo": ("Completed", 1)}
     first = state.result()
+    assert verify(first["sft"]["path"]).digest == first["sft"]["digest"]
+
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Cached", 1), "dpo": ("Cached", 1)}
+    assert state.result() == first
 
     # datasets_prep/preference.py: imported by the DPO stage (through datasets_prep and stages.common
     # modules too), never by SFT or the tiny-model factory
@@ -153,7 +125,21 @@ def test_one_identity_transitive_code_edits_data_edits_in_place_and_a_cli_run(re
     assert verify(second["dpo"]["path"]).digest == second["dpo"]["digest"]  # untouched
     assert verify(third["dpo"]["path"]).extra["data"]["rows"] == len(lines) - 1
 
-    # SFT from its CLI with the flow's recipe, overrides and base; then the flow with those settings
+    # the cached SFT checkpoint is altered (a deleted one fails the same verification): SFT reruns and its
+    # output verifies again, the same weights as before (fp32)
+    with open(Path(first["sft"]["path"]) / "model.safetensors", "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\x00\x01\x02\x03")
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks["base"] == ("Cached", 1) and tasks["sft"] == ("Completed", 1)
+    assert verify(state.result()["sft"]["path"]).digest == first["sft"]["digest"]
+
+    # refresh forces a stage to rerun
+    _, tasks = run_flow(pipeline=str(recipe), refresh=["dpo"])
+    assert tasks == {"base": ("Cached", 1), "sft": ("Cached", 1), "dpo": ("Completed", 1)}
+
+    # SFT from its CLI with the flow's recipe, overrides and base; then the flow with those settings: SFT's
+    # changed config misses the cache (found from the CLI's run), and DPO reruns on its new input
     shutil.rmtree(code)
     project_copy(code, monkeypatch)  # the code as it is (the CLI subprocess reads the real files)
     sft_cli = [f"base={first['base']['path']}", f"data.paths=[{task_files['sft']}]", "train.max_steps=2",
@@ -164,13 +150,13 @@ def test_one_identity_transitive_code_edits_data_edits_in_place_and_a_cli_run(re
     cli_ref = json.loads(out.stdout[out.stdout.index("{"):])
     created = read_manifest(cli_ref["path"]).created
     state, tasks = run_flow(pipeline=str(recipe), overrides={"sft": {"train.max_steps": 2}})
-    assert tasks["base"] == ("Cached", 1) and tasks["sft"] == ("Completed", 1) and tasks["dpo"] == ("Completed", 1)
-    assert state.result()["sft"]["digest"] == cli_ref["digest"]
+    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1), "dpo": ("Completed", 1)}
+    assert state.result()["sft"]["digest"] == cli_ref["digest"] != first["sft"]["digest"]
     assert read_manifest(cli_ref["path"]).created == created  # not trained again: the CLI's checkpoint itself
     assert not (Path(cli_ref["path"]).parent / "task").exists()  # the flow launched no stage process for it
 
 
-def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage(results, task_files, monkeypatch):
+def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage_and_the_ui_shows_curves_report_and_summary(results, task_files, monkeypatch):
     recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs", with_dpo=True, with_sft=False)
     monkeypatch.setenv("RLHF_FAULT_STEP", "2")  # the trainer raises after step 2: only DPO gets there
     state, tasks = run_flow(pipeline=str(recipe))
@@ -184,10 +170,13 @@ def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage(results, task_f
     monkeypatch.delenv("RLHF_FAULT_STEP")
     data = yaml.safe_load(recipe.read_text())  # with a held-out set now: its metrics reach the progress artifact
     data["stages"][1]["overrides"].update({"eval_data": {"paths": [str(task_files["preference_eval"])], "max_len": 64}, "eval_steps": 2})
+    data["stages"].append({"name": "eval", "stage": "eval", "recipe": "recipes/eval/tiny.yaml", "inputs": {"models": ["base", "dpo"], "reference": "base"},
+                           "overrides": {"data.paths": [str(task_files["eval"])], "data.max_samples": 16, "max_new_tokens": 6, "num_samples": 2, "pass_k": 2}})
     recipe.write_text(yaml.safe_dump(data))
     state, tasks = run_flow(pipeline=str(recipe))
-    assert tasks == {"base": ("Cached", 1), "dpo": ("Completed", 1)}
-    dpo = state.result()["dpo"]
+    assert tasks == {"base": ("Cached", 1), "dpo": ("Completed", 1), "eval": ("Completed", 1)}
+    out = state.result()
+    dpo = out["dpo"]
     verify(dpo["path"])
     rows = [json.loads(ln) for ln in (Path(dpo["path"]).parent / "metrics.jsonl").read_text().splitlines()]
     last_eval = [r for r in rows if "eval_reward_accuracy" in r][-1]
@@ -198,6 +187,19 @@ def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage(results, task_f
     assert f"eval at step 3: loss {last_eval['eval_loss']:.4g}" in desc and f"reward_accuracy {last_eval['eval_reward_accuracy']:.4g}" in desc, desc
     curves = assert_curves(arts, "dpo", rows)  # loss, implicit rewards, accuracy and margin, train and held-out
     assert {"loss", "eval_loss", "reward_accuracy", "eval_reward_accuracy", "reward_margin", "eval_reward_margin"} <= set(curves)
+    assert not [a for a in arts if a.key in ("base-curves", "eval-curves")]  # no training log, no curves
+
+    # the eval report with its plot inside (a data URI, no file to reach), and the flow's summary of every stage
+    (report,) = [a for a in arts if a.key == "eval-report-eval"]
+    assert_self_contained(report.data)
+    assert "| base |" in report.data and "| dpo |" in report.data
+    (summary,) = [a for a in arts if a.key == "pipeline-summary"]
+    for name in ("base", "dpo"):  # the cached base too
+        assert out[name]["digest"][:16] in summary.data and Path(out[name]["path"]).parent.resolve().as_uri() in summary.data
+    for key in ("dpo-curves", "eval-report-eval"):  # links to this run's artifacts
+        (art,) = [a for a in arts if a.key == key]
+        assert f"[{key}](/artifacts/artifact/{art.id})" in summary.data
+    assert Path(out["eval"]["report"]).parent.resolve().as_uri() in summary.data
 
 
 def flow_artifacts(state) -> list:

@@ -1,6 +1,7 @@
 """The RL stage for real: a private Ray cluster, 2 DeepSpeed ZeRO-3 learners, a reference, a vLLM engine."""
 
 import json
+import os
 from pathlib import Path
 
 import psutil
@@ -193,35 +194,6 @@ class _OpenRLHFRewardServer:
         self.httpd.server_close()
 
 
-def test_toy_reward_rises_within_a_few_steps_on_a_loopback_cluster_with_auth(task_files, sft_policy, tmp_path, monkeypatch):
-    """Reward 1 for answers starting with the digit 1, from a remote reward server in OpenRLHF's protocol: a
-    tiny model learns it in a handful of steps. Meanwhile every listener of the run is on loopback, and a
-    client without the cluster's token is refused."""
-    import ipaddress
-
-    monkeypatch.setenv("TOY_RM_TOKEN", "toy-token")
-    server = _OpenRLHFRewardServer("toy-token")
-    reward = {"url": server.url, "protocol": "openrlhf", "token_env": "TOY_RM_TOKEN"}
-    cfg = _config(task_files, tmp_path, None, reward=reward, max_steps=8, train__world_size=1, train__zero_stage=2,
-                  rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
-                  train__lr=3e-3, algo__advantage_estimator="reinforce_baseline")
-    try:
-        with _Listeners() as listeners:
-            steps = _metrics(run_rl(cfg, sft_policy))
-    finally:
-        server.close()
-    assert len(server.calls) == 8 and server.calls[0] == ["labels", "prompts", "query"]  # one call per step
-    first, last = sum(s["reward_mean"] for s in steps[:2]) / 2, sum(s["reward_mean"] for s in steps[-2:]) / 2
-    assert last > first + 0.25, [round(s["reward_mean"], 3) for s in steps]
-    names = {n for n, _, _ in listeners.seen}
-    assert {"gcs_server", "raylet"} <= names, names
-    open_to_network = [(n, ip, port) for n, ip, port in listeners.seen
-                       if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback]
-    assert open_to_network == [], open_to_network
-    assert listeners.refused is not None and "InvalidAuthToken" in listeners.refused, listeners.refused
-    assert "RAY_AUTH_TOKEN" not in __import__("os").environ  # the token went with the cluster
-
-
 def test_a_push_that_changes_nothing_is_caught_and_ray_is_cleaned_up(task_files, sft_policy, tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_FAULT_SKIP_PUSH", "1")
     # the toy reward: the micro model is rarely right on the task, and with all rewards 0 nothing would change
@@ -257,21 +229,40 @@ def test_dynamic_filtering_keeps_the_batch_and_the_stop_penalty_and_is_correctio
     assert 0 < sum(m["truncated_share"] for m in steps) < 2  # both kinds of ending occur
 
 
-def test_async_training_with_staleness_one_learns_the_toy_reward_and_every_sync_passes(task_files, sft_policy, tmp_path):
-    """The engine samples step k+1 while the learners train step k: from step 2 on, the batch comes from the
-    weights one update old, which the engine/learner gap shows (vllm_kl) and TIS corrects; the toy reward
-    still rises and the probe check passes after every push."""
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=8, train__world_size=1, train__zero_stage=2,
+def test_async_training_learns_from_a_remote_reward_server_on_a_loopback_cluster_with_auth(task_files, sft_policy, tmp_path, monkeypatch):
+    """Reward 1 for answers starting with the digit 1, from a remote reward server in OpenRLHF's protocol, one
+    call per step. The engine samples step k+1 while the learners train step k: from step 2 on, the batch comes
+    from the weights one update old, which the engine/learner gap shows (vllm_kl) and TIS corrects; the tiny
+    model still learns the reward in a handful of steps and the probe check passes after every push.
+    Meanwhile every listener of the run is on loopback, and a client without the cluster's token is refused."""
+    import ipaddress
+
+    monkeypatch.setenv("TOY_RM_TOKEN", "toy-token")
+    server = _OpenRLHFRewardServer("toy-token")
+    reward = {"url": server.url, "protocol": "openrlhf", "token_env": "TOY_RM_TOKEN"}
+    cfg = _config(task_files, tmp_path, None, reward=reward, max_steps=8, train__world_size=1, train__zero_stage=2,
                   rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
                   train__lr=3e-3, algo__advantage_estimator="reinforce_baseline", rollout__async_=True,
                   algo__is_correction="tis")
-    steps = _metrics(run_rl(cfg, sft_policy))
+    try:
+        with _Listeners() as listeners:
+            steps = _metrics(run_rl(cfg, sft_policy))
+    finally:
+        server.close()
     assert len(steps) == 8
+    assert len(server.calls) == 8 and server.calls[0] == ["labels", "prompts", "query"]  # one call per step
     first, last = sum(s["reward_mean"] for s in steps[:2]) / 2, sum(s["reward_mean"] for s in steps[-2:]) / 2
     assert last > first + 0.25, [round(s["reward_mean"], 3) for s in steps]
     assert all(s["sync_logprob_diff"] <= 1e-3 for s in steps), [s["sync_logprob_diff"] for s in steps]
     assert abs(steps[0]["vllm_kl"]) < 1e-4  # step 1: sampled by the weights being trained
     assert max(abs(s["vllm_kl"]) for s in steps[1:]) > 1e-3, [s["vllm_kl"] for s in steps]  # later: one update old
+    names = {n for n, _, _ in listeners.seen}
+    assert {"gcs_server", "raylet"} <= names, names
+    open_to_network = [(n, ip, port) for n, ip, port in listeners.seen
+                       if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback]
+    assert open_to_network == [], open_to_network
+    assert listeners.refused is not None and "InvalidAuthToken" in listeners.refused, listeners.refused
+    assert "RAY_AUTH_TOKEN" not in os.environ  # the token went with the cluster
 
 
 def _retry_until_one(folder: Path) -> Path:
@@ -328,14 +319,16 @@ def test_a_hung_learner_fails_the_step_at_its_deadline_naming_it(task_files, sft
 
     monkeypatch.setenv("RLHF_FAULT_HANG", "learner.train:0")
     cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), train__world_size=1, train__zero_stage=2,
-                  ray={"call_timeout_s": 45})
-    with pytest.raises(CallTimeout, match=r"learner rank\(s\) \[0\] of 1 gave no answer to train within 45 s \(ray.call_timeout_s\)"):
+                  ray={"call_timeout_s": 15})  # the start-up has its own deadline (ray.startup_timeout_s)
+    with pytest.raises(CallTimeout, match=r"learner rank\(s\) \[0\] of 1 gave no answer to train within 15 s \(ray.call_timeout_s\)"):
         run_rl(cfg, sft_policy)
     assert ray_processes() == []
     assert not list(tmp_path.glob("rl-*/checkpoint"))
 
 
 def test_bad_reward_source_and_config_fail_before_ray_starts(task_files, sft_policy, tmp_path):
+    """(A reward that turns non-finite inside a step stops it naming the source: tests/unit/test_rl_rewards.py;
+    the loop's failures unwinding through the cluster's shutdown: the sync and deadline tests here.)"""
     bad = tmp_path / "bad.py"
     bad.write_text("def reward_func(q, p, l):\n    return {'rewards': [float('nan')] * len(q)}\n")
     cfg = _config(task_files, tmp_path, tmp_path / "missing.py", train__world_size=1)
@@ -345,10 +338,7 @@ def test_bad_reward_source_and_config_fail_before_ray_starts(task_files, sft_pol
         _config(task_files, tmp_path, bad, train__train_batch_size=12, train__micro_train_batch_size=4, train__world_size=1)
     with pytest.raises(ValueError, match=r"advantage_estimator: 'vtrace' is unknown; valid: dr_grpo, gae, group_norm"):
         _config(task_files, tmp_path, bad, algo__advantage_estimator="vtrace")
-    # a NaN reward stops the first step, naming the source, and Ray is shut down
-    with pytest.raises(RewardError, match=r"reward func .*bad.py: 'rewards' has non-finite values"):
-        run_rl(_config(task_files, tmp_path, bad, train__world_size=1, train__zero_stage=2), sft_policy)
-    assert ray_processes() == []
+    assert ray_processes() == [] and not list(Path("/tmp").glob(f"rlray-{os.getpid()}-*"))
 
 
 def _constant_reward(folder: Path) -> Path:
@@ -476,11 +466,11 @@ def test_a_killed_rl_stage_leaves_no_ray_process_and_no_temp_folder(task_files, 
     metrics = None
     while time.time() < deadline and proc.poll() is None:
         found = list(tmp_path.glob("rl-*/metrics.jsonl"))
-        if found and found[0].read_text().count("\n") >= 2:
+        if found and found[0].read_text().count("\n") >= 1:
             metrics = found[0]
             break
         time.sleep(1)
-    assert metrics is not None, "the RL run did not reach step 2"
+    assert metrics is not None, "the RL run did not finish step 1"
     assert ray_processes() != []
     folders = list(Path("/tmp").glob(f"rlray-{proc.pid}-*"))
     assert len(folders) == 1
@@ -502,58 +492,3 @@ def test_on_cuda_one_learner_and_one_engine_train_and_sync(task_files, sft_polic
     steps = _metrics(run_rl(cfg, sft_policy))
     assert [s["step"] for s in steps] == [1, 2] and all(s["sync_logprob_diff"] <= 0.05 for s in steps)
     assert ray_processes() == []
-
-
-@pytest.fixture
-def prefect_results(tmp_path):
-    """A temporary Prefect server and result storage in this test's folder (as in test_pipeline.py)."""
-    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120), \
-            temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: str(tmp_path / "prefect-results")}):
-        yield tmp_path
-
-
-def test_each_stage_publishes_its_curves_the_eval_its_plot_and_the_flow_a_summary(prefect_results, task_files):
-    """After a tiny flow run (base -> RL -> eval), the Prefect API holds the RL stage's curves artifact
-    (reward, held-out accuracy, KL, entropy, response length by step: what metrics.jsonl holds), the eval
-    report with its plot inside (a data URI, no file to reach) and the flow's summary of every stage.
-    (In this file, not test_pipeline.py: xdist runs a file per worker, and this file's checks that no Ray
-    process is left are machine-wide, so no other file may start a Ray cluster.)"""
-    small = {"max_steps": 2, "eval_steps": 1, "data.paths": [str(task_files["rl_prompts"])], "eval_data.paths": [str(task_files["eval"])],
-             "eval_data.max_samples": 16, "rollout.rollout_batch_size": 8, "rollout.n_samples_per_prompt": 4,
-             "rollout.max_new_tokens": 6, "train.train_batch_size": 32, "train.micro_train_batch_size": 16, "train.progress_bar": False}
-    stages = [{"name": "base", "stage": "tiny_model", "overrides": {"preset": "micro"}},
-              {"name": "rl", "stage": "rl", "recipe": "recipes/rl/tiny.yaml", "inputs": {"policy": "base"}, "overrides": small},
-              {"name": "eval", "stage": "eval", "recipe": "recipes/eval/tiny.yaml", "inputs": {"models": ["base", "rl"], "reference": "base"},
-               "overrides": {"data.paths": [str(task_files["eval"])], "data.max_samples": 16, "max_new_tokens": 6, "num_samples": 2, "pass_k": 2}}]
-    import yaml
-
-    from tests.integration.test_pipeline import assert_curves, assert_self_contained, flow_artifacts, run_flow
-
-    results = prefect_results
-    recipe = results / "pipeline.yaml"
-    recipe.write_text(yaml.safe_dump({"name": "looked-at", "output_root": str(results / "runs"), "stages": stages}))
-    state, tasks = run_flow(pipeline=str(recipe))
-    assert tasks == {"base": ("Completed", 1), "rl": ("Completed", 1), "eval": ("Completed", 1)}
-    out = state.result()
-    arts = flow_artifacts(state)
-
-    rl_dir = Path(out["rl"]["path"]).parent
-    rows = [json.loads(ln) for ln in (rl_dir / "metrics.jsonl").read_text().splitlines()]
-    curves = assert_curves(arts, "rl", rows)
-    assert {"reward_mean", "eval_accuracy", "kl", "entropy", "response_length", "policy_loss"} <= set(curves)
-    assert not [a for a in arts if a.key in ("base-curves", "eval-curves")]  # no training log, no curves
-
-    (report,) = [a for a in arts if a.key == "eval-report-eval"]
-    assert_self_contained(report.data)
-    assert "| base |" in report.data and "| rl |" in report.data
-
-    (summary,) = [a for a in arts if a.key == "pipeline-summary"]
-    for name in ("base", "rl"):
-        assert out[name]["digest"][:16] in summary.data and Path(out[name]["path"]).parent.resolve().as_uri() in summary.data
-    for key in ("rl-curves", "eval-report-eval"):  # links to this run's artifacts
-        (art,) = [a for a in arts if a.key == key]
-        assert f"[{key}](/artifacts/artifact/{art.id})" in summary.data
-    assert Path(out["eval"]["report"]).parent.resolve().as_uri() in summary.data
