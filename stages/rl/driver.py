@@ -71,7 +71,8 @@ class SyncError(RuntimeError):
 
 
 class CallTimeout(RuntimeError):
-    """An actor gave no answer within ``ray.call_timeout_s``; the message names it."""
+    """An actor gave no answer within ``ray.call_timeout_s`` (``ray.startup_timeout_s`` while starting); the
+    message names it and the deadline's setting."""
 
 
 def ray_get(refs, what: str, timeout_s: float, setting: str = "ray.call_timeout_s"):
