@@ -169,26 +169,6 @@ def precompute_reference(module, items, micro: int, pad: int, rank: int, world_s
         p.ref_chosen, p.ref_rejected = table[k, 0].item(), table[k, 1].item()
 
 
-def build_reference_engine(path: str, train: TrainConfig):
-    """A frozen, optimizer-less DeepSpeed engine (ZeRO-3 partitioned when the policy is)."""
-    import deepspeed
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
-
-    ds = {
-        "train_micro_batch_size_per_gpu": train.micro_train_batch_size,
-        "train_batch_size": train.train_batch_size,
-        "zero_optimization": {"stage": 3 if train.zero_stage == 3 else 0, "stage3_param_persistence_threshold": 0},
-        "bf16": {"enabled": train.dtype == "bf16"},
-    }
-    keep = HfDeepSpeedConfig(ds) if train.zero_stage == 3 else None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
-    model.requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=model, config=ds)
-    engine.eval()
-    return engine, keep
-
-
 def train_rank(job: dict, rank: int, world_size: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -209,7 +189,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
     ref_engine = None
     if config.precompute_ref_logps:
         if job["reference_path"]:
-            ref_engine, keep = build_reference_engine(job["reference_path"], config.train)
+            ref_engine, keep = trainer.build_reference_engine(job["reference_path"], config.train)
             for group in (items, eval_items):
                 if group:
                     precompute_reference(ref_engine, group, micro, pad, rank, world_size)
@@ -220,7 +200,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
                 if group:
                     precompute_reference(eng.engine, group, micro, pad, rank, world_size)
     else:
-        ref_engine, keep = build_reference_engine(job["reference_path"] or job["base_path"], config.train)
+        ref_engine, keep = trainer.build_reference_engine(job["reference_path"] or job["base_path"], config.train)
 
     def loss_fn(engine, batch):
         if ref_engine is None:

@@ -251,7 +251,7 @@ def score_rank(job: dict, rank: int, world_size: int) -> dict:
                 ref = _response_logps(llm, g["samples"])
                 out[label]["kl_to_reference"] = sum(a - b for a, b in zip(g["sample_logps"], ref, strict=True)) / len(ref)
     if job["reward_model"]:
-        from stages.rl.rewards import RewardModelScorer
+        from stages.common.scoring import RewardModelScorer
 
         scorer = RewardModelScorer(job["reward_model"], normalize=None)  # normalised when the RM has its stats
         for label, g in job["generated"].items():

@@ -34,6 +34,7 @@ from datasets_prep.preference import (
 )
 from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
 from stages.common.preference_losses import RewardPair, reward_loss
+from stages.common.scoring import score_padded, sequence_scores  # noqa: F401  (score_padded: this stage's scorer)
 from stages.common.stage import (
     POLICY,
     REWARD,
@@ -87,35 +88,6 @@ def run_reward_model(config: RewardModelConfig, base: CheckpointRef, *, run: Sta
         base=base if config.lora.enabled else None,
         extra={"data": vars(report)},
     )
-
-
-def backbone_and_head(module):
-    """The transformer body and the ``score`` head of a (possibly peft-wrapped) sequence classifier."""
-    model = module.get_base_model() if hasattr(module, "get_base_model") else module
-    return getattr(model, model.base_model_prefix), model.score
-
-
-def sequence_scores(module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The head's output at each sequence's last token: [number of sequences]."""
-    body, head = backbone_and_head(module)
-    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
-    hidden = body(**inputs, use_cache=False).last_hidden_state
-    values = head(hidden).squeeze(-1).float()
-    return values.flatten()[batch["last_index"]]
-
-
-def score_padded(module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scores [B] of a left- or right-padded batch: positions follow the mask, read at the last real token."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    width = attention_mask.shape[1]
-    last = width - 1 - attention_mask.flip(-1).argmax(-1)
-    batch = {
-        "input_ids": input_ids,
-        "position_ids": position_ids,
-        "attention_mask": attention_mask,
-        "last_index": torch.arange(input_ids.shape[0], device=input_ids.device) * width + last,
-    }
-    return sequence_scores(module, batch)
 
 
 def pair_rewards(module, batch) -> tuple[torch.Tensor, torch.Tensor]:

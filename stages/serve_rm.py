@@ -37,7 +37,7 @@ def make_app(checkpoint: str, normalize: bool | None = None, batch_size: int = 3
     from transformers import AutoTokenizer
 
     from checkpoints import load_ref, require_kind, verify
-    from stages.rl.rewards import RewardModelScorer
+    from stages.common.scoring import RewardModelScorer
 
     ref = load_ref(checkpoint)
     verify(ref)

@@ -1,134 +1,18 @@
-"""The tiny-model factory: a locally trained tokenizer and a random-weight Llama, as a checkpoint.
-
-Nothing is downloaded. The tokenizer is a byte-level BPE trained with ``tokenizers`` on the embedded
-task's text (digits split one per token), with special tokens and a chat template::
-
-    <|bos|><|user|>12+30<|end|><|assistant|>42<|end|>
-
-``<|end|>`` closes every turn and is the EOS token, so generation stops after the answer. The model
-is a ``LlamaForCausalLM`` built from a named size preset; head size 64 keeps it loadable by vLLM's
-CPU and GPU attention kernels. The output folder loads with ``AutoTokenizer``,
-``AutoModelForCausalLM`` and ``vllm.LLM``.
+"""The ``tiny_model`` stage: the embedded tiny model (``stages.common.tiny``) as a pipeline stage.
 
 Run: ``python -m stages.tiny_model recipes/base/tiny.yaml [key=value ...]``
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict
-
-from checkpoints import CheckpointRef, commit, staging
-from stages.common.stage import StageRun, StageSpec, committed_checkpoint, print_result
-
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+from stages.common.stage import StageSpec, print_result
+from stages.common.tiny import (  # noqa: F401  (the factory, as this stage's module offers it)
+    PRESETS,
+    TinyModelConfig,
+    build_model,
+    build_tokenizer,
+    run_tiny_model,
 )
-# name -> (hidden, layers, heads, intermediate); head size is hidden // heads = 64 throughout.
-PRESETS = {
-    "micro": (128, 2, 2, 256),  # ~0.46M parameters: unit tests
-    "tiny": (256, 4, 4, 688),  # ~3.4M parameters: the default run
-    "small": (512, 8, 8, 1376),  # ~25M parameters: GPU smoke runs
-}
-
-
-class TinyModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    preset: Literal["micro", "tiny", "small"] = "tiny"
-    vocab_size: int = 512
-    max_position_embeddings: int = 512
-    seed: int = 0
-    output_root: str = "runs"
-
-
-def run_tiny_model(config: TinyModelConfig, *, run: StageRun | None = None) -> CheckpointRef:
-    """Build tokenizer + model and commit them as a ``full`` checkpoint (idempotent per identity: the
-    tokenizer is trained on the task's text, whose generator is in the stage's code version)."""
-    run = SPEC.identify(config, {}, run)
-    done = committed_checkpoint(run)
-    if done is not None:
-        return done
-    tokenizer = build_tokenizer(config.vocab_size, config.seed)
-    model = build_model(config, tokenizer)
-    with run.claimed() as folder, staging(folder / "checkpoint") as tmp:
-        dest = folder / "checkpoint"
-        tokenizer.save_pretrained(tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
-        return commit(
-            tmp,
-            dest,
-            stage="tiny_model",
-            kind="full",
-            config_hash=run.key,
-            extra={"preset": config.preset, "parameters": sum(p.numel() for p in model.parameters())},
-        )
-
-
-def build_tokenizer(vocab_size: int = 512, seed: int = 0):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from datasets_prep.synthetic import corpus
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    english = [
-        "The answer is", "Compute the sum of the two numbers.", "You are a helpful assistant.",
-        "Question: what is the result? Answer:", "Let me think step by step.",
-    ]  # a little prose so user data in words does not fall back to single bytes everywhere
-    tok.train_from_iterator(corpus(seed) + english * 50, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|bos|>",
-        eos_token="<|end|>",
-        pad_token="<|pad|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=512,
-        padding_side="right",
-    )
-
-
-def build_model(config: TinyModelConfig, tokenizer):
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    hidden, layers, heads, inter = PRESETS[config.preset]
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        intermediate_size=inter,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(config.seed)
-    model = LlamaForCausalLM(cfg)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return model
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -74,6 +74,13 @@ def micro_sft(task_files, micro_model, tmp_path_factory):
     return run_sft(cfg, micro_model)
 
 
+def metrics(ref, initial: bool = False) -> list[dict]:
+    """The step rows of a stage run's metrics.jsonl (beside its checkpoint ``ref``); ``initial=True`` adds step 0,
+    the held-out eval before the first step that an RL run with eval_data logs."""
+    rows = [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
+    return rows if initial else [r for r in rows if r["step"] > 0]
+
+
 def no_worker_processes(under: Path | str) -> list[str]:
     """Command lines of training ranks still alive whose run folder is under ``under``."""
     import psutil

@@ -26,24 +26,28 @@ folder, and in-stage resume only ever finds state written under the same identit
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import modulefinder
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from checkpoints import CheckpointRef, load_ref, path_digest, read_manifest, sha256_file
-from checkpoints.store import CheckpointError, content_digest
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+from checkpoints import CheckpointRef, path_digest
+from stages.common.identity import (  # noqa: F401  (re-exported: what a stage module needs of an identity)
+    NOT_IN_IDENTITY,
+    PROJECT_ROOT,
+    RunBusy,
+    StageRun,
+    canonical_config,
+    code_version,
+    committed_checkpoint,
+    get_dotted,
+    import_closure,
+    make_run,
+)
+from stages.common.models import resolve_model
 
 # What a stage's output is, for checking a pipeline's wiring before anything runs.
 POLICY = "policy"  # a full causal LM
@@ -51,13 +55,6 @@ REWARD = "reward"  # a full reward model
 ADAPTER = "adapter"  # LoRA weights on a causal LM
 REWARD_ADAPTER = "reward_adapter"  # LoRA weights (and head) on a reward model
 REPORT = "report"  # eval's report; never an input
-
-# settings that change how a run is watched or continued, not what it computes
-NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps", "train.keep_last", "train.timeout_s", "logging",
-                   "timeout_s", "ray.call_timeout_s", "ray.startup_timeout_s", "reward.timeout_s", "reward.retries",
-                   "verify_sync", "sync_tolerance", "sync_min_prob")
-IDENTITY_FILE = "identity.json"
-LOCK_FILE = ".lock"
 
 InputValue = CheckpointRef | Mapping[str, CheckpointRef] | None
 
@@ -84,17 +81,6 @@ def trained_output(full: str, adapter: str) -> Callable[[BaseModel, Mapping[str,
     return lambda config, inputs: adapter if config.lora.enabled else full
 
 
-def committed_checkpoint(run: StageRun) -> CheckpointRef | None:
-    """The checkpoint committed under ``run``'s identity, if its folder holds one that verifies."""
-    dest = run.run_dir / "checkpoint"
-    try:
-        if read_manifest(dest).config_hash != run.key:
-            return None
-        return load_ref(dest)
-    except CheckpointError:
-        return None
-
-
 @dataclass(frozen=True)
 class StageSpec:
     name: str
@@ -119,27 +105,15 @@ class StageSpec:
     def identify(self, config: BaseModel, inputs: Mapping[str, InputValue], given: StageRun | None = None) -> StageRun:
         """The run's identity: ``given`` (a flow passes the one it computed) after checking it is this
         config's and these inputs', else computed here."""
-        parts = {"config": self._canonical_config(config), "inputs": _input_digests(self, config, inputs)}
+        parts = {"config": canonical_config(config, tuple(i.field for i in self.inputs if i.field)),
+                 "inputs": _input_digests(self, config, inputs)}
         if given is not None:
             if given.stage != self.name or any(given.parts[k] != v for k, v in parts.items()):
                 raise ValueError(f"{self.name}: the run identity {given.key} was computed for another config or other inputs")
             return given
         parts["files"] = self.file_digests(config)
         parts["code"] = code_version(self.modules)
-        blob = json.dumps({"stage": self.name, **parts}, sort_keys=True, separators=(",", ":"))
-        return StageRun(stage=self.name, key=f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}",
-                        output_root=str(config.output_root), parts=parts)
-
-    def _canonical_config(self, config: BaseModel) -> dict[str, Any]:
-        data = config.model_dump(mode="json")
-        for dotted in ("output_root", *NOT_IN_IDENTITY, *(i.field for i in self.inputs if i.field)):
-            *head, last = dotted.split(".")
-            node = data
-            for part in head:
-                node = node.get(part) if isinstance(node, dict) else None
-            if isinstance(node, dict):
-                node.pop(last, None)
-        return data
+        return make_run(self.name, parts, config.output_root)
 
     def file_digests(self, config: BaseModel) -> dict[str, str]:
         """Content digest of every local file or folder the config names (a hub id names none)."""
@@ -159,8 +133,6 @@ class StageSpec:
 
     def resolve_inputs(self, config: BaseModel, given: Mapping[str, InputValue]) -> dict[str, InputValue]:
         """``given`` plus, for each input not given, the model(s) its config field names (None if empty)."""
-        from stages.common.models import resolve_model
-
         out = dict(given)
         for inp in self.inputs:
             if not inp.used_by(config):
@@ -189,80 +161,10 @@ class StageSpec:
                 else CheckpointRef.model_validate(v) for k, v in data.items()}
 
 
-class RunBusy(RuntimeError):
-    """Another process holds the run folder's lock."""
-
-
-class StageRun(BaseModel):
-    """One run's identity (see the module docstring): its key names the run folder and the cache entry."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    stage: str
-    key: str
-    output_root: str
-    parts: dict[str, Any]  # what the key hashes: config, inputs, files, code
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.output_root) / self.key
-
-    def prepare(self) -> Path:
-        """Create the run folder; refuse one that another identity wrote (``identity.json``)."""
-        folder = self.run_dir
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / IDENTITY_FILE
-        if path.is_file():
-            try:
-                found = json.loads(path.read_text()).get("key")
-            except ValueError:
-                found = None
-            if found != self.key:
-                raise CheckpointError(f"{folder}: holds a run of identity {found!r}, not {self.key!r}; "
-                                      "its state and checkpoint are not this run's (remove the folder or use another output_root)")
-            return folder
-        tmp = folder / f".{IDENTITY_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"key": self.key, "stage": self.stage, **self.parts}, indent=1, sort_keys=True))
-        tmp.replace(path)
-        return folder
-
-    @contextmanager
-    def claimed(self) -> Iterator[Path]:
-        """:meth:`prepare`, then hold the run folder's lock (``.lock``, an flock) for the block: a second
-        process writing the same run (two flows, a flow and a CLI run) is refused, naming the holder."""
-        import fcntl
-
-        folder = self.prepare()
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise RunBusy(f"{folder}: another process (pid {holder}) is writing this run; wait for it to end or stop it") from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-            yield folder
-        finally:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-
-
 def _module_name(obj: Any) -> str:
     name = obj.__module__
     main_spec = getattr(sys.modules.get(name), "__spec__", None) if name == "__main__" else None
     return main_spec.name if main_spec is not None else name
-
-
-def get_dotted(config: BaseModel | Mapping[str, Any] | None, dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if node is None:
-            return None
-        node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
-    return node
 
 
 def _input_digests(spec: StageSpec, config: BaseModel, inputs: Mapping[str, InputValue]) -> dict[str, Any]:
@@ -277,24 +179,6 @@ def _input_digests(spec: StageSpec, config: BaseModel, inputs: Mapping[str, Inpu
         # a labelled list keeps its order and labels (eval's report rows)
         out[name] = None if v is None else v.digest if isinstance(v, CheckpointRef) else [[k, r.digest] for k, r in v.items()]
     return out
-
-
-@functools.cache
-def import_closure(module: str, root: Path = PROJECT_ROOT) -> tuple[Path, ...]:
-    """The project's source files that ``module`` imports, directly or through others (sorted)."""
-    finder = modulefinder.ModuleFinder(path=[str(root)])  # modules outside the project are not followed
-    finder.import_hook(module)
-    if module not in finder.modules:
-        raise ImportError(f"{module}: not a module under {root}")
-    files = {Path(m.__file__).resolve() for m in finder.modules.values() if m.__file__}
-    return tuple(sorted(f for f in files if f.is_relative_to(root.resolve())))
-
-
-def code_version(modules: tuple[str, ...], root: Path | None = None) -> str:
-    """sha256 over the (relative path, contents) of every project file the modules' import closure holds."""
-    root = PROJECT_ROOT if root is None else root
-    files = sorted({f for m in modules for f in import_closure(m, root)})
-    return content_digest({f.relative_to(root.resolve()).as_posix(): sha256_file(f) for f in files})
 
 
 def cli_run(spec: StageSpec, argv: list[str] | None = None) -> Any:

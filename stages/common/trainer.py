@@ -148,6 +148,27 @@ def build_engine(model_path: str, train: TrainConfig, lora: LoraConfig, total_st
     return Engine(engine, ds_config, hf_ds, lora.enabled)
 
 
+def build_reference_engine(path: str, train: TrainConfig):
+    """A frozen, optimizer-less DeepSpeed engine (ZeRO-3 partitioned when the policy is): DPO's and RL's
+    reference model. Returns the engine and the ``HfDeepSpeedConfig`` to keep alive beside it."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    ds = {
+        "train_micro_batch_size_per_gpu": train.micro_train_batch_size,
+        "train_batch_size": train.train_batch_size,
+        "zero_optimization": {"stage": 3 if train.zero_stage == 3 else 0, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": train.dtype == "bf16"},
+    }
+    keep = HfDeepSpeedConfig(ds) if train.zero_stage == 3 else None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds)
+    engine.eval()
+    return engine, keep
+
+
 def kept_metric_lines(path: Path) -> list[str]:
     """The lines of a ``metrics.jsonl``; a torn last line (a kill mid-write) is dropped, a bad line
     elsewhere is an error naming the file and the line."""
@@ -167,10 +188,11 @@ def kept_metric_lines(path: Path) -> list[str]:
 
 
 class MetricsWriter:
-    """Rank 0 only: one JSON line per step, the same scalars to TensorBoard and, when the stage's job
-    (``run_dir/job.json``) sets ``logging.wandb``, to Weights & Biases."""
+    """Rank 0 only: one JSON line per step, the same scalars to TensorBoard and, when the stage's config sets
+    ``logging.wandb``, to Weights & Biases. ``config``: the stage's config as JSON (unset: the one in the
+    stage's job, ``run_dir/job.json``, which the launcher writes for the stages whose ranks it starts)."""
 
-    def __init__(self, run_dir: Path, start_step: int, enabled: bool, prefix: str = "train"):
+    def __init__(self, run_dir: Path, start_step: int, enabled: bool, prefix: str = "train", config: dict | None = None):
         self.enabled, self.prefix, self.wandb = enabled, prefix, None
         if not enabled:
             return
@@ -184,7 +206,7 @@ class MetricsWriter:
             tmp.replace(self.path)
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
-        self.wandb = start_wandb(run_dir)
+        self.wandb = start_wandb(run_dir, config)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -204,13 +226,15 @@ class MetricsWriter:
                 self.wandb.finish()
 
 
-def start_wandb(run_dir: Path):
+def start_wandb(run_dir: Path, config: dict | None = None):
     """The W&B run of this stage run (``None`` unless its config sets ``logging.wandb``): id = the run
-    folder's name (a resumed run continues it), config = the stage's config, files under ``run_dir/wandb``."""
+    folder's name (a resumed run continues it), config = the stage's config (given, else the job's), files
+    under ``run_dir/wandb``."""
     from stages.common.config import LoggingConfig
 
-    job = run_dir / "job.json"
-    config = json.loads(job.read_text()).get("config", {}) if job.is_file() else {}
+    if config is None:
+        job = run_dir / "job.json"
+        config = json.loads(job.read_text()).get("config", {}) if job.is_file() else {}
     wb = LoggingConfig.model_validate(config.get("logging") or {}).wandb
     if wb is None:
         return None
@@ -220,8 +244,9 @@ def start_wandb(run_dir: Path):
                       mode=wb.mode, id=run_dir.name, resume="allow", dir=str(run_dir), config=config)
 
 
-def _maybe_inject_fault(step: int, rank: int) -> None:
-    """Test hook: RLHF_FAULT_STEP=N makes rank RLHF_FAULT_RANK crash (exit), raise or hang after step N."""
+def maybe_inject_fault(step: int, rank: int, after: str | None = None) -> None:
+    """Test hook: RLHF_FAULT_STEP=N makes rank RLHF_FAULT_RANK crash (exit), raise or hang after step N
+    (``after``: what the message says the fault came after, e.g. ``RL step``; else the step and the rank)."""
     at = os.environ.get("RLHF_FAULT_STEP")
     if at is None or int(at) != step or int(os.environ.get("RLHF_FAULT_RANK", "0")) != rank:
         return
@@ -230,7 +255,12 @@ def _maybe_inject_fault(step: int, rank: int) -> None:
         os._exit(3)
     if mode == "hang":
         hang()
-    raise RuntimeError(f"injected fault at step {step} on rank {rank}")
+    raise RuntimeError(f"injected fault after {after} {step}" if after else f"injected fault at step {step} on rank {rank}")
+
+
+def injected(hook: str) -> bool:
+    """Test hook: whether the environment variable ``hook`` (e.g. RLHF_FAULT_SKIP_PUSH) is set to 1."""
+    return os.environ.get(hook) == "1"
 
 
 def hang() -> None:
@@ -336,7 +366,7 @@ def fit(
             report_progress(step + 1, total_steps, metrics)
         if train.save_steps and (step + 1) % train.save_steps == 0 and step + 1 < total_steps:
             save_state(engine, run_dir / STATE_DIR, step + 1, {"torch_rng": torch.get_rng_state()}, train.keep_last, rank)
-        _maybe_inject_fault(step + 1, rank)
+        maybe_inject_fault(step + 1, rank)
     bar.close()
     writer.close()
     return history

@@ -1,10 +1,14 @@
 """RL math: advantage estimators, KL estimators and policy losses, as pure functions in registries.
 
-One signature per family, so the driver never special-cases an algorithm:
+One signature per family, and each registry entry carries the traits the rest of the stage reads, so no
+estimator or loss is named outside this module (and the tests):
 
-- advantage estimators: ``(AdvantageInput) -> (advantages [B, T], returns [B, T])``
+- advantage estimators (:class:`Estimator`: ``needs_critic``, ``min_group``):
+  ``(AdvantageInput) -> (advantages [B, T], returns [B, T])``
 - KL estimators: ``(logp [B, T], ref_logp [B, T]) -> kl [B, T]``, every value clamped to [-10, 10]
-- policy losses: ``(PolicyLossInput) -> (per-token loss [B, T], clipped [B, T] bool)``
+- policy losses (:class:`PolicyLoss`: what the ratio is taken against, whether IS weights apply):
+  ``(PolicyLossInput) -> (per-token loss [B, T], clipped [B, T] bool)``
+- IS corrections of the engine/learner gap: ``(ISInput) -> weights [B, T]``
 - the critic's loss: :func:`value_loss` (clipped, per token)
 
 Numerical guards, as OpenRLHF's: KL values clamped to [-10, 10], the PPO log-ratio to [-20, 20] before
@@ -72,7 +76,7 @@ class AdvantageInput:
     # clip the (baselined) sequence reward to [-c, c]. OpenRLHF clips the raw reward before its baseline;
     # here the clip applies to what the estimator hands on (for gae and reinforce: the raw reward too)
     reward_clip: float | None = None
-    values: torch.Tensor | None = None  # [B, T] the critic's values at rollout time (estimators in NEEDS_CRITIC)
+    values: torch.Tensor | None = None  # [B, T] the critic's values at rollout time (estimators whose entry needs_critic)
     lambd: float = 1.0  # GAE's lambda
 
 
@@ -152,15 +156,26 @@ def gae(inp: AdvantageInput):
     return whiten(adv, inp.mask), returns
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInput], tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": gae,
-    "reinforce": reinforce,
-    "reinforce_baseline": reinforce_baseline,
-    "rloo": rloo,
-    "group_norm": group_norm,
-    "dr_grpo": dr_grpo,
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator and what a run using it needs."""
+
+    fn: Callable[[AdvantageInput], tuple[torch.Tensor, torch.Tensor]]
+    needs_critic: bool = False  # reads AdvantageInput.values: the run trains a critic
+    min_group: int = 1  # the fewest samples per prompt it can baseline a group with
+
+    def __call__(self, inp: AdvantageInput) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(inp)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "gae": Estimator(gae, needs_critic=True),
+    "reinforce": Estimator(reinforce),
+    "reinforce_baseline": Estimator(reinforce_baseline, min_group=2),
+    "rloo": Estimator(rloo, min_group=2),
+    "group_norm": Estimator(group_norm, min_group=2),
+    "dr_grpo": Estimator(dr_grpo, min_group=2),
 }
-NEEDS_CRITIC = frozenset({"gae"})  # estimators that read AdvantageInput.values
 
 # ---------------------------------------------------------------------------------------------
 # KL estimators (Schulman, "Approximating KL divergence", 2020), for KL(pi || ref) on pi's samples
@@ -254,9 +269,31 @@ def gspo(inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(keep, loss, 0.0), (surr2 < surr1) & keep
 
 
-POLICY_LOSSES: dict[str, Callable[[PolicyLossInput], tuple[torch.Tensor, torch.Tensor]]] = {
-    "ppo": ppo_clip,
-    "gspo": gspo,
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss and how an IS correction (``algo.is_correction``) enters it."""
+
+    fn: Callable[[PolicyLossInput], tuple[torch.Tensor, torch.Tensor]]
+    # with an IS correction: True, the ratio is taken against the engine's sampling log-probs, so the
+    # correction sits inside the (clipped) ratio and no weights multiply the loss (GSPO's sequence ratio, as
+    # OpenRLHF); False, the ratio is against the old log-probs and the correction's weights multiply each token
+    corrects_in_ratio: bool = False
+
+    def __call__(self, inp: PolicyLossInput) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(inp)
+
+    def behaviour(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor | None, corrected: bool) -> torch.Tensor:
+        """The log-probs the ratio is taken against."""
+        return rollout_logp if corrected and self.corrects_in_ratio else old_logp
+
+    def weighted(self, corrected: bool) -> bool:
+        """Whether the IS correction's weights multiply the per-token loss."""
+        return corrected and not self.corrects_in_ratio
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo": PolicyLoss(ppo_clip),
+    "gspo": PolicyLoss(gspo, corrects_in_ratio=True),
 }
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -323,9 +360,10 @@ def aggregation_normaliser(masks: list[torch.Tensor], mode: str, max_len: int) -
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
-def lookup(registry: dict, name: str, family: str):
+def lookup(registry: dict, name: str, field: str):
+    """``registry[name]``, or a ValueError naming the config ``field``, the value and the valid names."""
     if name not in registry:
-        raise ValueError(f"{family} '{name}' is unknown; valid: {', '.join(sorted(registry))}")
+        raise ValueError(f"{field}: '{name}' is unknown; valid: {', '.join(sorted(registry))}")
     return registry[name]
 
 
@@ -352,36 +390,44 @@ def stop_properly_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coef: 
 # per-token policy loss.
 
 
-def _is_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    keep = mask.bool()
-    log_ratio = torch.where(keep, old_logp - rollout_logp, 0.0).detach()
-    return log_ratio, keep
+@dataclass
+class ISInput:
+    old_logp: torch.Tensor  # [B, T] the learners' log-probs of the sampled tokens (the behaviour policy)
+    rollout_logp: torch.Tensor  # [B, T] the engine's sampling log-probs of the same tokens
+    mask: torch.Tensor  # [B, T]
+    low: float  # algo.is_threshold
+    high: float
+
+    def log_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi_old - log pi_vllm, detached and 0 where masked; the mask as bool)."""
+        keep = self.mask.bool()
+        return torch.where(keep, self.old_logp - self.rollout_logp, 0.0).detach(), keep
 
 
-def tis(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def tis(inp: ISInput) -> torch.Tensor:
     """Truncated IS: the token ratio clamped to [low, high]."""
-    log_ratio, keep = _is_ratio(old_logp, rollout_logp, mask)
-    return torch.where(keep, log_ratio.exp().clamp(low, high), 0.0)
+    log_ratio, keep = inp.log_ratio()
+    return torch.where(keep, log_ratio.exp().clamp(inp.low, inp.high), 0.0)
 
 
-def icepop(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def icepop(inp: ISInput) -> torch.Tensor:
     """IcePop: the token ratio where it lies in [low, high], 0 (the token dropped) outside."""
-    log_ratio, keep = _is_ratio(old_logp, rollout_logp, mask)
+    log_ratio, keep = inp.log_ratio()
     w = log_ratio.exp()
-    return torch.where(keep & (w >= low) & (w <= high), w, 0.0)
+    return torch.where(keep & (w >= inp.low) & (w <= inp.high), w, 0.0)
 
 
-def seq_mask_tis(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def seq_mask_tis(inp: ISInput) -> torch.Tensor:
     """Sequence-masked IS: whole sequences whose geometric-mean ratio lies outside [low, high] are dropped;
     the others' tokens keep their own (unclamped) ratio, as OpenRLHF's ``seq-mask-tis``."""
-    log_ratio, keep = _is_ratio(old_logp, rollout_logp, mask)
+    log_ratio, keep = inp.log_ratio()
     m = keep.to(log_ratio.dtype)
     seq = (log_ratio.sum(-1) / m.sum(-1).clamp(min=1)).exp()
-    seq_keep = ((seq >= low) & (seq <= high)).unsqueeze(-1)
+    seq_keep = ((seq >= inp.low) & (seq <= inp.high)).unsqueeze(-1)
     return torch.where(keep & seq_keep, log_ratio.exp(), 0.0)
 
 
-IS_CORRECTIONS: dict[str, Callable[..., torch.Tensor]] = {"tis": tis, "icepop": icepop, "seq-mask-tis": seq_mask_tis}
+IS_CORRECTIONS: dict[str, Callable[[ISInput], torch.Tensor]] = {"tis": tis, "icepop": icepop, "seq-mask-tis": seq_mask_tis}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
 from stages.rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
+    IS_CORRECTIONS,
     KL_ESTIMATORS,
-    NEEDS_CRITIC,
     POLICY_LOSSES,
+    lookup,
 )
 
 
@@ -102,7 +103,7 @@ class AlgoConfig(BaseModel):
     # importance-sampling correction of the rollout engine's sampling log-probs against the learners'
     # (OpenRLHF's is_correction_type): tis (clamp), icepop (drop tokens outside), seq-mask-tis (drop
     # sequences whose geometric-mean ratio is outside); the ratio's [low, high]
-    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    is_correction: str | None = None
     is_threshold: tuple[float, float] = (0.5, 5.0)
     # DAPO's dynamic filtering: keep groups whose mean score lies strictly inside (low, high), drawing more
     # prompts (at most dynamic_filtering_max_batches extra batches per step) until rollout_batch_size remain
@@ -115,9 +116,10 @@ class AlgoConfig(BaseModel):
             ("advantage_estimator", ADVANTAGE_ESTIMATORS, self.advantage_estimator),
             ("policy_loss", POLICY_LOSSES, self.policy_loss),
             ("kl_estimator", KL_ESTIMATORS, self.kl_estimator),
+            ("is_correction", IS_CORRECTIONS, self.is_correction),
         ):
-            if value not in registry:
-                raise ValueError(f"{name}: '{value}' is unknown; valid: {', '.join(sorted(registry))}")
+            if value is not None:
+                lookup(registry, value, name)
         if self.loss_agg not in AGGREGATIONS:
             raise ValueError(f"loss_agg: '{self.loss_agg}' is unknown; valid: {', '.join(AGGREGATIONS)}")
         if self.ppo_epochs < 1:
@@ -275,11 +277,13 @@ class RLConfig(BaseModel):
                                  "set rollout.async: false")
             if self.eval_grader:
                 raise ValueError("eval_grader: rollout.agent scores the held-out episodes itself; remove eval_grader")
-        if self.algo.advantage_estimator in NEEDS_CRITIC and self.critic.freezing_steps >= self.max_steps:
+        estimator = ADVANTAGE_ESTIMATORS[self.algo.advantage_estimator]
+        if estimator.needs_critic and self.critic.freezing_steps >= self.max_steps:
             raise ValueError(f"critic.freezing_steps: {self.critic.freezing_steps} leaves no step of the {self.max_steps} "
                              "(max_steps) to train the policy in")
-        if self.algo.advantage_estimator in ("rloo", "group_norm", "dr_grpo", "reinforce_baseline") and self.rollout.n_samples_per_prompt < 2:
-            raise ValueError(f"rollout.n_samples_per_prompt: {self.algo.advantage_estimator} needs at least 2 samples per prompt")
+        if self.rollout.n_samples_per_prompt < estimator.min_group:
+            raise ValueError(f"rollout.n_samples_per_prompt: {self.algo.advantage_estimator} needs at least "
+                             f"{estimator.min_group} samples per prompt")
         if self.algo.dynamic_filtering is not None and self.rollout.n_samples_per_prompt < 2:
             raise ValueError("rollout.n_samples_per_prompt: algo.dynamic_filtering filters groups by their mean score and "
                              f"needs at least 2 samples per prompt (got {self.rollout.n_samples_per_prompt})")

@@ -19,7 +19,7 @@ adaptive coefficient) is :class:`KLController`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -27,7 +27,6 @@ import torch
 from stages.rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
-    NEEDS_CRITIC,
     AdvantageInput,
     aggregation_normaliser,
     overlong_penalty,
@@ -54,7 +53,7 @@ class StepPlan:
         samples = ro.rollout_batch_size * ro.n_samples_per_prompt
         # one optimizer step per rollout, one epoch: the policy that sampled is the one being updated
         on_policy = algo.ppo_epochs == 1 and samples == cfg.train.train_batch_size and not kl_reward
-        return cls(old_logp=not on_policy, ref_logp=ref, values=algo.advantage_estimator in NEEDS_CRITIC,
+        return cls(old_logp=not on_policy, ref_logp=ref, values=ADVANTAGE_ESTIMATORS[algo.advantage_estimator].needs_critic,
                    rollout_logp=not on_policy or algo.is_correction is not None or ro.async_, kl_in_reward=kl_reward)
 
     @property
@@ -75,6 +74,7 @@ class Samples:
     response_mask: torch.Tensor  # [B, T] 1 on response tokens the model sampled (an agent's environment tokens: 0)
     rollout_logp: torch.Tensor | None  # [B, T] vLLM's sampling log-probs at response positions (plan.rollout_logp)
     truncated: torch.Tensor  # [B] bool: the response hit max_new_tokens without a stop token (finish_reason "length")
+    completions: list[Any] = field(default_factory=list)  # [B] what the engines (or an agent's episodes) returned
 
     @classmethod
     def of(cls, prompt_index: list[int], groups: list[list[Any]], pad_id: int, with_logp: bool) -> Samples:
@@ -94,7 +94,7 @@ class Samples:
                 logp[i, p : p + r] = torch.tensor(c.logprobs)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
         return cls(prompt_index, [list(c.prompt_ids) for c in flat], [list(c.token_ids) for c in flat],
-                   [c.text for c in flat], ids, attn, resp, logp, truncated)
+                   [c.text for c in flat], ids, attn, resp, logp, truncated, flat)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What a forward pass needs."""

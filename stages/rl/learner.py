@@ -21,6 +21,7 @@ from stages.rl.algorithms import (
     IS_CORRECTIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    ISInput,
     PolicyLossInput,
     policy_objective,
 )
@@ -121,7 +122,6 @@ class Learner(Rank):
         from transformers import AutoModelForCausalLM
 
         from stages.common import trainer
-        from stages.dpo import build_reference_engine
 
         self._join(config, master)
         self.eng = trainer.build_engine(
@@ -130,7 +130,7 @@ class Learner(Rank):
         )
         self.ref = None
         if self.plan.ref_logp:
-            self.ref, self._ref_keep = build_reference_engine(policy_path, self.cfg.train)
+            self.ref, self._ref_keep = trainer.build_reference_engine(policy_path, self.cfg.train)
         return True
 
     def _forward_logps(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -199,16 +199,14 @@ class Learner(Rank):
         logp, entropy = self._forward_logps(module, part.input_ids, part.attention_mask, part.response_mask, with_entropy=True)
         # on-policy (one update per rollout): the behaviour policy is the current one
         old_logp = part.old_logp if plan.old_logp else logp.detach()
-        is_gspo = algo.is_correction is not None and algo.policy_loss == "gspo"
-        # GSPO with IS correction takes its sequence ratio against the engine's log-probs (as OpenRLHF)
-        inp = PolicyLossInput(logp, part.rollout_logp if is_gspo else old_logp, part.advantages, mask,
+        loss_fn, corrected = POLICY_LOSSES[algo.policy_loss], algo.is_correction is not None
+        inp = PolicyLossInput(logp, loss_fn.behaviour(old_logp, part.rollout_logp, corrected), part.advantages, mask,
                               algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
-        per_token, clipped = POLICY_LOSSES[algo.policy_loss](inp)
+        per_token, clipped = loss_fn(inp)
         extra = {}
-        if algo.is_correction is not None:
-            if not is_gspo:
-                per_token = per_token * IS_CORRECTIONS[algo.is_correction](old_logp, part.rollout_logp, mask, *algo.is_threshold)
-            # OpenRLHF's vllm_kl: how far the engine's sampling distribution is from the learners'
+        if loss_fn.weighted(corrected):
+            per_token = per_token * IS_CORRECTIONS[algo.is_correction](ISInput(old_logp, part.rollout_logp, mask, *algo.is_threshold))
+        if corrected:  # OpenRLHF's vllm_kl: how far the engine's sampling distribution is from the learners'
             extra["vllm_kl"] = float(torch.where(keep, part.rollout_logp - old_logp.detach(), 0.0).sum())
         kl = torch.where(keep, KL_ESTIMATORS[algo.kl_estimator](logp, part.ref_logp), 0.0) if plan.ref_logp else torch.zeros_like(logp)
         loss = policy_objective(per_token, mask, algo.loss_agg, part.normaliser, kl=kl if plan.kl_loss else None,

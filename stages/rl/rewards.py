@@ -1,6 +1,7 @@
-"""Reward sources for RL: a Python ``reward_func`` file, an HTTP endpoint, or a reward-model actor.
+"""Reward sources for RL: a Python ``reward_func`` file, an HTTP endpoint, a reward-model actor, an agent's episodes.
 
-Every source follows OpenRLHF's contract: ``(queries, prompts, labels) -> {"rewards", "scores",
+The loop sees one protocol, :class:`RewardSource`: ``score(rows, samples) -> Scores`` (``rows``: the data row
+of each group, in order). Behind it, the text sources (a function, an endpoint) follow OpenRLHF's contract: ``(queries, prompts, labels) -> {"rewards", "scores",
 "extra_logs"}`` where ``queries`` are the full decoded sequences (prompt + response), ``rewards``
 drive the advantages, ``scores`` (default: the rewards) are what the task counts as success, and
 ``extra_logs`` are extra per-sample metrics. A result with the wrong shape, NaN or non-numeric
@@ -17,11 +18,12 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from stages.rl.config import check_endpoint, endpoint_name
+from stages.rl.config import RLConfig, check_endpoint, endpoint_name
+from stages.rl.experience import Samples, Scores
 
 
 class RewardError(RuntimeError):
@@ -204,42 +206,92 @@ def _shutdown(sock) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-class RewardModelScorer:
-    """A reward-model checkpoint scoring token-id sequences (run as a Ray actor by the RL driver).
+class RewardSource(Protocol):
+    def score(self, rows: list[dict], samples: Samples) -> Scores:
+        """The scores of ``samples`` (consecutive groups, one per row of ``rows``, in order)."""
+        ...
 
-    Scores are read at each sequence's last token (``stages.reward_model.score_padded``); with
-    ``normalize`` they become (score - reward_mean) / reward_std from the checkpoint's config
-    (``normalize=None``: when the config has them).
-    """
+    def held_out(self, scores: Scores) -> dict[str, float]:
+        """The held-out metrics of greedy samples' scores."""
+        ...
 
-    def __init__(self, path: str, normalize: bool | None, batch_size: int = 64):
-        from transformers import AutoModelForSequenceClassification
 
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32).eval()
-        cfg = self.model.config
-        self.pad = cfg.pad_token_id
-        self.batch_size = batch_size
-        self.source = f"reward model {path}"
-        mean, std = getattr(cfg, "reward_mean", None), getattr(cfg, "reward_std", None)
-        has_stats = mean is not None and bool(std)
-        if normalize and not has_stats:
-            raise RewardError(f"{self.source}: normalize_reward needs reward_mean/reward_std in its config.json (train it with eval_data)")
-        self.norm = (float(mean), float(std)) if has_stats and normalize is not False else None
+def text_reward(cfg: RLConfig) -> FuncReward | HttpReward:
+    """The configured function or endpoint (a bad file, URL or token fails here, before any work)."""
+    if cfg.reward.func:
+        return FuncReward(cfg.reward.func)
+    if cfg.reward.url:
+        r = cfg.reward
+        return HttpReward(r.urls, r.timeout_s, r.retries, protocol=r.protocol, token_env=r.token_env)
+    raise RewardError("reward: no source given (set reward.func, reward.url or reward.model)")
 
-    def score(self, sequences: list[list[int]]) -> list[float]:
-        from stages.reward_model import score_padded
 
-        out = []
-        with torch.no_grad():
-            for i in range(0, len(sequences), self.batch_size):
-                chunk = sequences[i : i + self.batch_size]
-                width = max(map(len, chunk))
-                ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
-                mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for j, s in enumerate(chunk):
-                    ids[j, : len(s)] = torch.tensor(s)
-                    mask[j, : len(s)] = 1
-                out += score_padded(self.model, ids, mask).tolist()
-        if self.norm is not None:
-            out = [(s - self.norm[0]) / self.norm[1] for s in out]
+class TextReward:
+    """A function or an endpoint, on decoded text: each sample's prompt + response (``queries``), its prompt
+    and its row's label."""
+
+    def __init__(self, call: Callable[[list[str], list[str], list[Any]], dict[str, Any]], tokenizer, label_key: str):
+        self.call, self.tok, self.label_key = call, tokenizer, label_key
+
+    def score(self, rows: list[dict], samples: Samples) -> Scores:
+        per = len(samples.prompt_ids) // len(rows)
+        queries, prompts, labels = [], [], []
+        for k, (p, r) in enumerate(zip(samples.prompt_ids, samples.response_ids, strict=True)):
+            if k % per == 0:  # a group's samples share their prompt
+                prompt_text = self.tok.decode(p)
+            queries.append(prompt_text + self.tok.decode(r, skip_special_tokens=True))
+            prompts.append(prompt_text)
+            labels.append(rows[k // per][self.label_key])
+        return Scores.of(self.call(queries, prompts, labels))
+
+    def held_out(self, scores: Scores) -> dict[str, float]:
+        return {"eval_accuracy": scores.scores.mean().item()}
+
+
+class ModelReward:
+    """A reward model served by a Ray actor (:class:`stages.common.scoring.RewardModelScorer`) on token ids."""
+
+    def __init__(self, actor, call: Callable[[Any, str], Any]):
+        self.actor, self.call = actor, call  # call: a wait with the stage's deadline (Deadlines.call)
+
+    def score(self, rows: list[dict], samples: Samples) -> Scores:
+        seqs = [p + r for p, r in zip(samples.prompt_ids, samples.response_ids, strict=True)]
+        return Scores.of(check_result({"rewards": self.call(self.actor.score.remote(seqs), "reward model.score")}, len(seqs),
+                                      "reward model"))
+
+    def held_out(self, scores: Scores) -> dict[str, float]:
+        return {"eval_reward": scores.scores.mean().item()}
+
+
+class EpisodeReward:
+    """An agent's episodes score themselves: their summed step rewards, their score, their last info as metrics."""
+
+    def score(self, rows: list[dict], samples: Samples) -> Scores:
+        flat = samples.completions
+        logs = {k: torch.tensor([e.info.get(k, float("nan")) for e in flat]) for k in sorted({k for e in flat for k in e.info})}
+        logs["turns"] = torch.tensor([float(e.turns) for e in flat])
+        return Scores(torch.tensor([e.reward for e in flat]), torch.tensor([e.score for e in flat]), logs)
+
+    def held_out(self, scores: Scores) -> dict[str, float]:
+        """The episodes' mean score as ``eval_accuracy``, and the mean of every number they logged (turns, the
+        last info), NaNs (not counted) left out."""
+        out = {"eval_accuracy": scores.scores.mean().item()}
+        for k in sorted(scores.extra_logs):
+            counted = [v for v in scores.extra_logs[k].tolist() if not math.isnan(v)]
+            if counted:
+                out[f"eval_{k}"] = sum(counted) / len(counted)
         return out
+
+
+class Timed:
+    """A reward source that adds the seconds spent in it to ``seconds`` (a step's ``reward_s``)."""
+
+    def __init__(self, source: RewardSource):
+        self.source, self.seconds = source, 0.0
+
+    def score(self, rows: list[dict], samples: Samples) -> Scores:
+        t = time.perf_counter()
+        try:
+            return self.source.score(rows, samples)
+        finally:
+            self.seconds += time.perf_counter() - t

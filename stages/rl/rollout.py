@@ -1,9 +1,10 @@
-"""The rollout engine: ``vllm.LLM`` with a weight-update extension, token ids in and out.
+"""The rollout engines: ``vllm.LLM`` with a weight-update extension, token ids in and out (:class:`RolloutEngine`,
+one Ray actor each), and :class:`EnginePool`, the driver's view of them as one.
 
 Weights travel as safetensors bytes and are loaded with the worker's ``reload_weights`` (the path
 that works on the CPU build too, where ``model.load_weights`` after load and in-place parameter
 edits silently change nothing). Every update can be verified: ``sequence_logprobs`` on a fixed
-probe is compared with the learner's log-probs on the same ids (``RLLoop.verify`` in ``stages.rl.driver``).
+probe is compared with the learner's log-probs on the same ids (``stages.rl.weight_sync``).
 """
 
 from __future__ import annotations
@@ -48,3 +49,36 @@ class RolloutEngine:
 
     def ready(self) -> bool:
         return True
+
+
+class EnginePool:
+    """The engines as one: each call's prompts split round-robin over the engines, the answers put back in order.
+    An engine runs its calls in order, so a weight push sent after a generation waits for it."""
+
+    def __init__(self, engines: list, call, max_new_tokens: int):
+        self.engines, self.call, self.max_new_tokens = engines, call, max_new_tokens  # call: Deadlines.call
+
+    def launch(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False) -> list:
+        """Start generating ``n`` samples per prompt on every engine; :meth:`gather` waits."""
+        k = len(self.engines)
+        return [e.generate.remote(prompt_ids[i::k], n=n, max_new_tokens=self.max_new_tokens, temperature=temperature,
+                                  seed=seed + i * 1_000_003, logprobs=logprobs)
+                for i, e in enumerate(self.engines)]
+
+    def gather(self, refs: list) -> list[list[Completion]]:
+        outs = self.call(refs, "engine.generate")
+        result: list = [None] * sum(len(o) for o in outs)
+        for i, out in enumerate(outs):
+            result[i :: len(self.engines)] = out
+        return result
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False):
+        return self.gather(self.launch(prompt_ids, n, temperature, seed, logprobs))
+
+    def push(self, data) -> None:
+        """Load new weights (safetensors bytes, or an object-store reference to them) on every engine."""
+        self.call([e.update_weights.remote(data) for e in self.engines], "engine.update_weights")
+
+    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
+        """Every engine's prompt log-probs of ``sequences`` (one list per engine)."""
+        return self.call([e.sequence_logprobs.remote(sequences) for e in self.engines], "engine.sequence_logprobs")

@@ -12,6 +12,7 @@ from stages.dpo import DPOConfig, pair_logps, run_dpo
 from stages.lora_merge import LoraMergeConfig, run_lora_merge
 from stages.reward_model import RewardModelConfig, pair_rewards, run_reward_model
 from stages.sft import SFTConfig, run_sft
+from tests.conftest import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,16 +25,7 @@ def _pairs_data(task_files, split="preference"):
     return {"paths": [str(task_files[split])], "max_len": 64}
 
 
-def _metrics(ref) -> list[dict]:
-    return [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def sft_model(micro_sft):
-    return micro_sft
-
-
-def test_reward_model_zero3_two_ranks_learns_and_loads_in_auto_class(task_files, sft_model, tokenizer, tmp_path):
+def test_reward_model_zero3_two_ranks_learns_and_loads_in_auto_class(task_files, micro_sft, tokenizer, tmp_path):
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging
 
@@ -44,11 +36,11 @@ def test_reward_model_zero3_two_ranks_learns_and_loads_in_auto_class(task_files,
         "eval_steps": 8,
         "output_root": str(tmp_path),
     })
-    ref = run_reward_model(cfg, sft_model)
+    ref = run_reward_model(cfg, micro_sft)
     verify(ref)
     m = read_manifest(ref.path)
-    assert (m.kind, m.stage, m.parent) == ("reward", "reward_model", sft_model.digest)
-    steps = _metrics(ref)
+    assert (m.kind, m.stage, m.parent) == ("reward", "reward_model", micro_sft.digest)
+    steps = metrics(ref)
     assert sum(s["loss"] for s in steps[-4:]) / 4 < sum(s["loss"] for s in steps[:4]) / 4
     assert [s["step"] for s in steps if "eval_accuracy" in s] == [8, 16]
     stats = m.extra["reward_stats"]
@@ -70,7 +62,7 @@ def test_reward_model_zero3_two_ranks_learns_and_loads_in_auto_class(task_files,
     assert (chosen > rejected).float().mean().item() == pytest.approx(stats["eval_accuracy"])
     allr = torch.cat([chosen, rejected])
     assert allr.mean().item() == pytest.approx(stats["reward_mean"], abs=1e-5)
-    base = AutoModelForSequenceClassification.from_pretrained(sft_model.path, num_labels=1, dtype=torch.float32)
+    base = AutoModelForSequenceClassification.from_pretrained(micro_sft.path, num_labels=1, dtype=torch.float32)
     assert not torch.equal(base.model.embed_tokens.weight, model.model.embed_tokens.weight)
     _serve_rm_scores_like_the_stage(ref, pairs, tokenizer, chosen, rejected, stats)
 
@@ -126,7 +118,7 @@ def _serve_rm_scores_like_the_stage(ref, pairs, tokenizer, chosen, rejected, sta
     assert torch.equal(served[:n] > served[n:], chosen > rejected)
 
 
-def test_dpo_zero3_two_ranks_learns_and_both_reference_modes_agree(task_files, sft_model, micro_model, tmp_path):
+def test_dpo_zero3_two_ranks_learns_and_both_reference_modes_agree(task_files, micro_sft, micro_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     def cfg(precompute: bool, root: str, **train):
@@ -140,42 +132,42 @@ def test_dpo_zero3_two_ranks_learns_and_both_reference_modes_agree(task_files, s
             "output_root": str(tmp_path / root),
         })
 
-    live = run_dpo(cfg(False, "live"), sft_model)
-    pre = run_dpo(cfg(True, "pre"), sft_model)
-    first_live, first_pre = _metrics(live)[0], _metrics(pre)[0]
+    live = run_dpo(cfg(False, "live"), micro_sft)
+    pre = run_dpo(cfg(True, "pre"), micro_sft)
+    first_live, first_pre = metrics(live)[0], metrics(pre)[0]
     # at the first step the policy is the reference: every pair's loss is log 2
     assert first_live["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
     assert first_pre["loss"] == pytest.approx(first_live["loss"], abs=1e-5)
-    steps = _metrics(live)
+    steps = metrics(live)
     assert steps[-1]["reward_margin"] > 0 and steps[-1]["loss"] < steps[0]["loss"]
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, _metrics(pre))) < 1e-4
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, metrics(pre))) < 1e-4
     # held-out pairs at steps 5 and 10: loss, reward accuracy and margins; both reference modes agree, and the
     # policy has moved past log 2 on pairs it never trained on
     evals = [s for s in steps if "eval_loss" in s]
     assert [s["step"] for s in evals] == [5, 10]
-    for a, b in zip(evals, [s for s in _metrics(pre) if "eval_loss" in s]):
+    for a, b in zip(evals, [s for s in metrics(pre) if "eval_loss" in s]):
         for key in ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_chosen_reward", "eval_rejected_reward"):
             assert abs(a[key] - b[key]) < 1e-4, key
     assert evals[-1]["eval_reward_margin"] == pytest.approx(evals[-1]["eval_chosen_reward"] - evals[-1]["eval_rejected_reward"], abs=1e-6)
     assert abs(evals[-1]["eval_loss"] - 0.6931471805599453) > 1e-3 and 0.0 <= evals[-1]["eval_reward_accuracy"] <= 1.0
     m = read_manifest(live.path)
-    assert (m.kind, m.stage, m.parent) == ("full", "dpo", sft_model.digest)
+    assert (m.kind, m.stage, m.parent) == ("full", "dpo", micro_sft.digest)
     new = AutoModelForCausalLM.from_pretrained(live.path, dtype=torch.float32)
-    old = AutoModelForCausalLM.from_pretrained(sft_model.path, dtype=torch.float32)
+    old = AutoModelForCausalLM.from_pretrained(micro_sft.path, dtype=torch.float32)
     assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
     # an explicit reference (the untrained base): both modes again give the same first-step loss,
     # which is the loss computed here from transformers log-probs
-    ref_live = run_dpo(cfg(False, "ref_live", world_size=1, zero_stage=2, micro_train_batch_size=4, max_steps=1), sft_model, micro_model)
-    ref_pre = run_dpo(cfg(True, "ref_pre", world_size=1, zero_stage=2, micro_train_batch_size=4, max_steps=1), sft_model, micro_model)
-    a, b = _metrics(ref_live)[0]["loss"], _metrics(ref_pre)[0]["loss"]
+    ref_live = run_dpo(cfg(False, "ref_live", world_size=1, zero_stage=2, micro_train_batch_size=4, max_steps=1), micro_sft, micro_model)
+    ref_pre = run_dpo(cfg(True, "ref_pre", world_size=1, zero_stage=2, micro_train_batch_size=4, max_steps=1), micro_sft, micro_model)
+    a, b = metrics(ref_live)[0]["loss"], metrics(ref_pre)[0]["loss"]
     assert abs(a - b) < 1e-5 and abs(a - 0.6931471805599453) > 1e-3
 
 
-def test_wrong_kinds_are_refused_before_training(task_files, sft_model, tmp_path):
+def test_wrong_kinds_are_refused_before_training(task_files, micro_sft, tmp_path):
     rm_cfg = RewardModelConfig.model_validate({
         "data": _pairs_data(task_files), "train": {**TRAIN, "max_steps": 1}, "output_root": str(tmp_path),
     })
-    rm = run_reward_model(rm_cfg, sft_model)
+    rm = run_reward_model(rm_cfg, micro_sft)
     dpo_cfg = DPOConfig.model_validate({"data": _pairs_data(task_files), "train": TRAIN, "output_root": str(tmp_path)})
     with pytest.raises(CheckpointError, match=r"a 'reward' checkpoint \(from stage 'reward_model'\) was given as the DPO policy"):
         run_dpo(dpo_cfg, rm)
@@ -186,7 +178,7 @@ def test_wrong_kinds_are_refused_before_training(task_files, sft_model, tmp_path
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model", "dpo"])
-def test_lora_adapter_merges_to_the_same_outputs(stage, task_files, sft_model, micro_model, tokenizer, tmp_path):
+def test_lora_adapter_merges_to_the_same_outputs(stage, task_files, micro_sft, micro_model, tokenizer, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -198,12 +190,12 @@ def test_lora_adapter_merges_to_the_same_outputs(stage, task_files, sft_model, m
             "data": {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None, "max_len": 64},
             "train": train, "lora": lora, "output_root": str(tmp_path)}), base)
     elif stage == "reward_model":
-        base = sft_model
+        base = micro_sft
         adapter = run_reward_model(RewardModelConfig.model_validate({
             "data": _pairs_data(task_files), "eval_data": _pairs_data(task_files, "preference_eval"),
             "train": train, "lora": lora, "output_root": str(tmp_path)}), base)
     else:
-        base = sft_model
+        base = micro_sft
         adapter = run_dpo(DPOConfig.model_validate({
             "data": _pairs_data(task_files), "precompute_ref_logps": True,
             "train": train, "lora": lora, "output_root": str(tmp_path)}), base)
@@ -231,6 +223,6 @@ def test_lora_adapter_merges_to_the_same_outputs(stage, task_files, sft_model, m
             got = out(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             assert torch.allclose(torch.cat(pair_logps(ref_model, batch)[:2]), torch.cat(pair_logps(out, batch)[:2]), atol=1e-4)
     assert (expected - got).abs().max().item() < 1e-5
-    other = micro_model if base is sft_model else sft_model
+    other = micro_model if base is micro_sft else micro_sft
     with pytest.raises(CheckpointError, match="adapter was trained on base .* merge it onto the base it names"):
         run_lora_merge(LoraMergeConfig(output_root=str(tmp_path)), adapter, other)

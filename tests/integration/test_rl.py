@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from checkpoints import read_manifest, verify
+from stages.common.recipe import apply_overrides, read_recipe, validate
 from stages.rl.config import RLConfig
 from stages.rl.driver import SyncError, run_rl
 from stages.rl.rewards import RewardError
+from tests.conftest import metrics, wandb_history
 
 # one Ray cluster at a time: these tests look for Ray processes machine-wide (make test: --dist loadfile keeps
 # this file on one pytest-xdist worker)
@@ -28,30 +30,19 @@ def ray_processes() -> list[str]:
     return names
 
 
-@pytest.fixture(scope="module")
-def sft_policy(micro_sft):
-    return micro_sft
+RECIPE = ROOT / "recipes/rl/tiny.yaml"
 
 
-def _config(task_files, root, reward_func, **over) -> RLConfig:
-    cfg = {
-        "data": {"paths": [str(task_files["rl_prompts"])], "prompt_key": "prompt", "label_key": "answer"},
-        "reward": {"func": str(reward_func)},
-        "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "max_new_tokens": 6, "dtype": "float32"},
-        "algo": {"advantage_estimator": "group_norm"},
-        "train": {"world_size": 2, "zero_stage": 3, "dtype": "fp32", "train_batch_size": 16, "micro_train_batch_size": 8,
-                  "lr": 1e-3, "lr_scheduler": "constant", "warmup_ratio": 0.0, "progress_bar": False},
-        "max_steps": 3,
-        "sync_tolerance": 1e-3,
-        "output_root": str(root),
-    }
-    for key, value in over.items():
-        section, _, field = key.partition("__")
-        if field:
-            cfg[section] = {**cfg.get(section, {}), field: value}
-        else:
-            cfg[section] = value
-    return RLConfig.model_validate(cfg)
+def _config(task_files, root, reward_func, *overrides: str, **sections) -> RLConfig:
+    """The RL recipe (recipes/rl/tiny.yaml) at these tests' micro scale, then ``overrides`` as the stage's CLI takes
+    them (``key.sub=value``) and whole ``sections`` (as ``section={...}``); ``reward_func``: the reward's file."""
+    data, _ = read_recipe(RECIPE)
+    micro = [f"data.paths=[{task_files['rl_prompts']}]", "eval_data=null", "eval_steps=0", f"output_root={root}",
+             "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=6",
+             "train.world_size=2", "train.train_batch_size=16", "train.micro_train_batch_size=8", "train.lr=1e-3",
+             "train.progress_bar=false", "max_steps=3", f"reward={json.dumps({'func': str(reward_func)})}"]
+    more = [f"{k}={json.dumps(v)}" for k, v in sections.items()]
+    return validate(RLConfig, apply_overrides(data, [*micro, *overrides, *more]), str(RECIPE))
 
 
 def _first_digit_one(folder: Path) -> Path:
@@ -65,32 +56,26 @@ def _first_digit_one(folder: Path) -> Path:
     return func
 
 
-def _metrics(ref, initial: bool = False) -> list[dict]:
-    """The RL steps' rows of metrics.jsonl (``initial``: with step 0's, the held-out eval before the first
-    step, which a run with eval_data logs)."""
-    rows = [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
-    return rows if initial else [r for r in rows if r["step"] > 0]
-
-
-def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files, sft_policy, tmp_path):
+def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files, micro_sft, tmp_path):
     """Sampled at temperature 0.7: the learners and the reference train on the tempered policy, the probe
     checks the raw weights."""
     from transformers import AutoModelForCausalLM
 
     # the toy reward, not answer checking: with the micro model a whole step's samples can all be wrong,
     # and then nothing moves (all advantages 0) and the KL stays 0
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), rollout__temperature=0.7, algo__entropy_coef=0.01,
-                  algo__init_kl_coef=0.05, algo__kl_estimator="k3", eval_data={"paths": [str(task_files["eval"])],
-                  "prompt_key": "prompt", "label_key": "answer"}, eval_grader="arithmetic")
-    ref = run_rl(cfg, sft_policy)
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "rollout.temperature=0.7", "algo.entropy_coef=0.01",
+                  "algo.init_kl_coef=0.05", "algo.kl_estimator=k3", "eval_grader=arithmetic", "logging.wandb.mode=offline",
+                  "logging.wandb.project=rlhf-tests", eval_data={"paths": [str(task_files["eval"])], "prompt_key": "prompt",
+                  "label_key": "answer"})
+    ref = run_rl(cfg, micro_sft)
     verify(ref)
     m = read_manifest(ref.path)
-    assert (m.kind, m.stage, m.parent) == ("full", "rl", sft_policy.digest)
-    steps = _metrics(ref)
+    assert (m.kind, m.stage, m.parent) == ("full", "rl", micro_sft.digest)
+    steps = metrics(ref)
     assert [s["step"] for s in steps] == [1, 2, 3]
     # the held-out eval before the first step and after the last are the curves' ends (step 0, step 3)
     initial, final = m.extra["initial_eval"], m.extra["final_eval"]
-    assert _metrics(ref, initial=True)[0] == {"step": 0, **initial}
+    assert metrics(ref, initial=True)[0] == {"step": 0, **initial}
     assert {k: steps[-1][k] for k in final} == final
     # every push verified: vLLM (fp32) and the learners agree on the probe after each update
     assert all(s["sync_logprob_diff"] <= 1e-3 and s["sync_max_logprob_diff"] <= 1e-2 for s in steps)
@@ -101,11 +86,19 @@ def test_rl_steps_with_two_zero3_learners_reference_and_verified_sync(task_files
     assert steps[-1]["kl"] > 0  # and has moved since
     for key in ("reward_mean", "accuracy", "entropy", "clip_ratio", "response_length", "generate_s", "train_s", "sync_s"):
         assert key in steps[-1]
+    # logging.wandb (offline): the W&B run is the run folder's, its rows the metrics.jsonl rows, step 0 included
+    run_dir = Path(ref.path).parent
+    run_id, rows = wandb_history(run_dir)
+    assert run_id == run_dir.name
+    logged = metrics(ref, initial=True)
+    assert [r["_step"] for r in rows] == [s["step"] for s in logged]
+    assert [{k.removeprefix("rl/"): v for k, v in r.items() if k.startswith("rl/")} for r in rows] == \
+        [{k: v for k, v in s.items() if k != "step"} for s in logged]
     # held-out accuracy from the task's grader (not the toy reward): a count of right answers over the rows
     n_eval = sum(1 for _ in open(task_files["eval"]))
     assert (m.extra["final_eval"]["eval_accuracy"] * n_eval) == pytest.approx(round(m.extra["final_eval"]["eval_accuracy"] * n_eval))
     new = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
-    old = AutoModelForCausalLM.from_pretrained(sft_policy.path, dtype=torch.float32)
+    old = AutoModelForCausalLM.from_pretrained(micro_sft.path, dtype=torch.float32)
     assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
     assert ray_processes() == []
 
@@ -194,24 +187,24 @@ class _OpenRLHFRewardServer:
         self.httpd.server_close()
 
 
-def test_a_push_that_changes_nothing_is_caught_and_ray_is_cleaned_up(task_files, sft_policy, tmp_path, monkeypatch):
+def test_a_push_that_changes_nothing_is_caught_and_ray_is_cleaned_up(task_files, micro_sft, tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_FAULT_SKIP_PUSH", "1")
     # the toy reward: the micro model is rarely right on the task, and with all rewards 0 nothing would change
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), train__world_size=1, train__zero_stage=2)
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "train.world_size=1", "train.zero_stage=2")
     with pytest.raises(SyncError, match=r"weight sync check failed: vLLM engine log-probs differ from the learner's by"):
-        run_rl(cfg, sft_policy)
+        run_rl(cfg, micro_sft)
     assert ray_processes() == []
     assert not list(tmp_path.glob("rl-*/checkpoint"))
 
 
-def test_dynamic_filtering_keeps_the_batch_and_the_stop_penalty_and_is_correction_apply(task_files, sft_policy, tmp_path):
+def test_dynamic_filtering_keeps_the_batch_and_the_stop_penalty_and_is_correction_apply(task_files, micro_sft, tmp_path):
     """DAPO's filter on the toy reward: every trained group has a mean score strictly inside (0, 1), the batch
     keeps rollout_batch_size groups, the filtered share is logged; truncated responses get the stop-properly
     reward; TIS against an fp32 engine holding the learner's weights sees no gap (vllm_kl ~ 0)."""
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=2, train__world_size=1, train__zero_stage=2,
-                  log_rollouts_every=1, algo__dynamic_filtering=(0.0, 1.0), algo__dynamic_filtering_max_batches=8,
-                  algo__stop_properly_penalty=-0.5, algo__is_correction="tis")
-    steps = _metrics(run_rl(cfg, sft_policy))
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "max_steps=2", "train.world_size=1", "train.zero_stage=2",
+                  "log_rollouts_every=1", "algo.dynamic_filtering=[0.0, 1.0]", "algo.dynamic_filtering_max_batches=8",
+                  "algo.stop_properly_penalty=-0.5", "algo.is_correction=tis")
+    steps = metrics(run_rl(cfg, micro_sft))
     assert len(steps) == 2
     for k, m in enumerate(steps, start=1):
         rows = [json.loads(ln) for ln in (next(tmp_path.glob("rl-*")) / "rollouts" / f"step_{k}.jsonl").read_text().splitlines()]
@@ -229,7 +222,7 @@ def test_dynamic_filtering_keeps_the_batch_and_the_stop_penalty_and_is_correctio
     assert 0 < sum(m["truncated_share"] for m in steps) < 2  # both kinds of ending occur
 
 
-def test_async_training_learns_from_a_remote_reward_server_on_a_loopback_cluster_with_auth(task_files, sft_policy, tmp_path, monkeypatch):
+def test_async_training_learns_from_a_remote_reward_server_on_a_loopback_cluster_with_auth(task_files, micro_sft, tmp_path, monkeypatch):
     """Reward 1 for answers starting with the digit 1, from a remote reward server in OpenRLHF's protocol, one
     call per step. The engine samples step k+1 while the learners train step k: from step 2 on, the batch comes
     from the weights one update old, which the engine/learner gap shows (vllm_kl) and TIS corrects; the tiny
@@ -240,13 +233,13 @@ def test_async_training_learns_from_a_remote_reward_server_on_a_loopback_cluster
     monkeypatch.setenv("TOY_RM_TOKEN", "toy-token")
     server = _OpenRLHFRewardServer("toy-token")
     reward = {"url": server.url, "protocol": "openrlhf", "token_env": "TOY_RM_TOKEN"}
-    cfg = _config(task_files, tmp_path, None, reward=reward, max_steps=8, train__world_size=1, train__zero_stage=2,
-                  rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
-                  train__lr=3e-3, algo__advantage_estimator="reinforce_baseline", rollout__async_=True,
-                  algo__is_correction="tis")
+    cfg = _config(task_files, tmp_path, None, "max_steps=8", "train.world_size=1", "train.zero_stage=2",
+                  "rollout.n_samples_per_prompt=8", "train.train_batch_size=32", "train.micro_train_batch_size=32",
+                  "train.lr=3e-3", "algo.advantage_estimator=reinforce_baseline", "rollout.async=true",
+                  "algo.is_correction=tis", reward=reward)
     try:
         with _Listeners() as listeners:
-            steps = _metrics(run_rl(cfg, sft_policy))
+            steps = metrics(run_rl(cfg, micro_sft))
     finally:
         server.close()
     assert len(steps) == 8
@@ -283,17 +276,17 @@ def _retry_until_one(folder: Path) -> Path:
     return agent
 
 
-def test_a_two_turn_agent_learns_its_second_attempt_on_exactly_the_tokens_it_sampled(task_files, sft_policy, tokenizer, tmp_path):
+def test_a_two_turn_agent_learns_its_second_attempt_on_exactly_the_tokens_it_sampled(task_files, micro_sft, tokenizer, tmp_path):
     """Token in, token out over two turns: the environment's tokens sit between the actions, out of the loss; the
     learner's log-probs of every action token equal vLLM's sampling log-probs in the same context (vllm_kl ~ 0 with
     fp32 on both sides), and the second attempt's success rises."""
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=8, train__world_size=1, train__zero_stage=2,
-                  rollout__n_samples_per_prompt=8, train__train_batch_size=32, train__micro_train_batch_size=32,
-                  train__lr=3e-3, algo__advantage_estimator="reinforce_baseline", rollout__agent=str(_retry_until_one(tmp_path)),
-                  rollout__max_turns=2, algo__is_correction="tis", reward={}, log_rollouts_every=1,
+    cfg = _config(task_files, tmp_path, None, "max_steps=8", "train.world_size=1", "train.zero_stage=2",
+                  "rollout.n_samples_per_prompt=8", "train.train_batch_size=32", "train.micro_train_batch_size=32",
+                  "train.lr=3e-3", "algo.advantage_estimator=reinforce_baseline", f"rollout.agent={_retry_until_one(tmp_path)}",
+                  "rollout.max_turns=2", "algo.is_correction=tis", "log_rollouts_every=1", reward={},
                   eval_data={"paths": [str(task_files["eval"])], "prompt_key": "prompt", "label_key": "answer", "max_samples": 16})
-    ref = run_rl(cfg, sft_policy)
-    steps = _metrics(ref)
+    ref = run_rl(cfg, micro_sft)
+    steps = metrics(ref)
     assert len(steps) == 8
     first = sum(s["second_attempt_success"] for s in steps[:2]) / 2
     last = sum(s["second_attempt_success"] for s in steps[-2:]) / 2
@@ -314,30 +307,30 @@ def test_a_two_turn_agent_learns_its_second_attempt_on_exactly_the_tokens_it_sam
     assert summary["final_eval"]["eval_turns"] == 2.0 and "eval_second_attempt_success" in summary["final_eval"]
 
 
-def test_a_hung_learner_fails_the_step_at_its_deadline_naming_it(task_files, sft_policy, tmp_path, monkeypatch):
+def test_a_hung_learner_fails_the_step_at_its_deadline_naming_it(task_files, micro_sft, tmp_path, monkeypatch):
     from stages.rl.driver import CallTimeout
 
     monkeypatch.setenv("RLHF_FAULT_HANG", "learner.train:0")
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), train__world_size=1, train__zero_stage=2,
-                  ray={"call_timeout_s": 15})  # the start-up has its own deadline (ray.startup_timeout_s)
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "train.world_size=1", "train.zero_stage=2",
+                  "ray.call_timeout_s=15")  # the start-up has its own deadline (ray.startup_timeout_s)
     with pytest.raises(CallTimeout, match=r"learner rank\(s\) \[0\] of 1 gave no answer to train within 15 s \(ray.call_timeout_s\)"):
-        run_rl(cfg, sft_policy)
+        run_rl(cfg, micro_sft)
     assert ray_processes() == []
     assert not list(tmp_path.glob("rl-*/checkpoint"))
 
 
-def test_bad_reward_source_and_config_fail_before_ray_starts(task_files, sft_policy, tmp_path):
+def test_bad_reward_source_and_config_fail_before_ray_starts(task_files, micro_sft, tmp_path):
     """(A reward that turns non-finite inside a step stops it naming the source: tests/unit/test_rl_rewards.py;
     the loop's failures unwinding through the cluster's shutdown: the sync and deadline tests here.)"""
     bad = tmp_path / "bad.py"
     bad.write_text("def reward_func(q, p, l):\n    return {'rewards': [float('nan')] * len(q)}\n")
-    cfg = _config(task_files, tmp_path, tmp_path / "missing.py", train__world_size=1)
+    cfg = _config(task_files, tmp_path, tmp_path / "missing.py", "train.world_size=1")
     with pytest.raises(RewardError, match="missing.py: not found"):
-        run_rl(cfg, sft_policy)
+        run_rl(cfg, micro_sft)
     with pytest.raises(ValueError, match=r"train.train_batch_size: 12 does not divide the 32 samples"):
-        _config(task_files, tmp_path, bad, train__train_batch_size=12, train__micro_train_batch_size=4, train__world_size=1)
+        _config(task_files, tmp_path, bad, "train.train_batch_size=12", "train.micro_train_batch_size=4", "train.world_size=1")
     with pytest.raises(ValueError, match=r"advantage_estimator: 'vtrace' is unknown; valid: dr_grpo, gae, group_norm"):
-        _config(task_files, tmp_path, bad, algo__advantage_estimator="vtrace")
+        _config(task_files, tmp_path, bad, "algo.advantage_estimator=vtrace")
     assert ray_processes() == [] and not list(Path("/tmp").glob(f"rlray-{os.getpid()}-*"))
 
 
@@ -347,16 +340,16 @@ def _constant_reward(folder: Path) -> Path:
     return func
 
 
-def test_ppo_with_a_critic_the_value_loss_falls_and_the_policy_waits_while_the_critic_warms_up(task_files, sft_policy, tmp_path):
+def test_ppo_with_a_critic_the_value_loss_falls_and_the_policy_waits_while_the_critic_warms_up(task_files, micro_sft, tmp_path):
     """PPO-GAE with two ZeRO-3 critic ranks beside two ZeRO-3 policy ranks: with a reward of 1 for every
     sample the returns are 1 at every response token, so the critic's value loss must fall; for the first
     `critic.freezing_steps` steps the policy is not updated (and the engines keep their weights)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(task_files, tmp_path, _constant_reward(tmp_path), max_steps=6, algo__advantage_estimator="gae",
-                  algo__gamma=1.0, algo__lambd=0.95, critic={"lr": 3e-3, "freezing_steps": 2, "value_clip": None})
-    ref = run_rl(cfg, sft_policy)
-    steps = _metrics(ref)
+    cfg = _config(task_files, tmp_path, _constant_reward(tmp_path), "max_steps=6", "algo.advantage_estimator=gae",
+                  "algo.gamma=1.0", "algo.lambd=0.95", critic={"lr": 3e-3, "freezing_steps": 2, "value_clip": None})
+    ref = run_rl(cfg, micro_sft)
+    steps = metrics(ref)
     assert [s.get("policy_frozen", 0.0) for s in steps] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert all("policy_loss" not in s for s in steps[:2]) and all("policy_loss" in s for s in steps[2:])
     losses = [s["critic_loss"] for s in steps]
@@ -365,23 +358,23 @@ def test_ppo_with_a_critic_the_value_loss_falls_and_the_policy_waits_while_the_c
     assert all(abs(s["return_mean"] - 1.0) < 0.5 for s in steps)  # A + V with lambda < 1: near the Monte-Carlo 1
     assert all(s["sync_logprob_diff"] <= 1e-3 for s in steps[2:])
     new = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
-    old = AutoModelForCausalLM.from_pretrained(sft_policy.path, dtype=torch.float32)
+    old = AutoModelForCausalLM.from_pretrained(micro_sft.path, dtype=torch.float32)
     assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
     assert ray_processes() == []
 
 
-def test_interrupted_ppo_run_resumes_policy_and_critic_to_the_same_trajectory(task_files, sft_policy, tmp_path, monkeypatch):
+def test_interrupted_ppo_run_resumes_policy_and_critic_to_the_same_trajectory(task_files, micro_sft, tmp_path, monkeypatch):
     arith = ROOT / "recipes/rewards/arithmetic.py"
-    common = {"max_steps": 4, "train__world_size": 1, "train__zero_stage": 2, "train__save_steps": 2,
-              "algo__advantage_estimator": "gae", "critic": {"lr": 1e-3, "freezing_steps": 1}}
-    full = _metrics(run_rl(_config(task_files, tmp_path / "a", arith, **common), sft_policy))
-    cfg = _config(task_files, tmp_path / "b", arith, **common)
+    common = ("max_steps=4", "train.world_size=1", "train.zero_stage=2", "train.save_steps=2", "algo.advantage_estimator=gae")
+    critic = {"lr": 1e-3, "freezing_steps": 1}
+    full = metrics(run_rl(_config(task_files, tmp_path / "a", arith, *common, critic=critic), micro_sft))
+    cfg = _config(task_files, tmp_path / "b", arith, *common, critic=critic)
     monkeypatch.setenv("RLHF_FAULT_STEP", "3")
     with pytest.raises(RuntimeError, match="injected fault after RL step 3"):
-        run_rl(cfg, sft_policy)
+        run_rl(cfg, micro_sft)
     monkeypatch.delenv("RLHF_FAULT_STEP")
     assert ray_processes() == []
-    resumed = _metrics(run_rl(_config(task_files, tmp_path / "b", arith, **common, train__resume=True), sft_policy))
+    resumed = metrics(run_rl(_config(task_files, tmp_path / "b", arith, *common, "train.resume=true", critic=critic), micro_sft))
     assert [s["step"] for s in resumed] == [1, 2, 3, 4]
     for a, b in zip(full, resumed):
         assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"]
@@ -390,31 +383,31 @@ def test_interrupted_ppo_run_resumes_policy_and_critic_to_the_same_trajectory(ta
     assert resumed[2]["sync_logprob_diff"] <= 1e-3  # the resumed weights were pushed and verified
 
 
-def test_lora_rl_pushes_merged_weights_and_outputs_an_adapter_that_merges(task_files, sft_policy, tmp_path):
+def test_lora_rl_pushes_merged_weights_and_outputs_an_adapter_that_merges(task_files, micro_sft, tmp_path):
     """The policy trains a LoRA adapter under ZeRO-3; vLLM gets the merged weights (every push verified by the
     probe); the stage outputs an adapter on the SFT policy, which the LoRA merge stage folds in."""
     from transformers import AutoModelForCausalLM
 
     from stages.lora_merge import LoraMergeConfig, run_lora_merge
 
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), train__world_size=1, train__lr=1e-2,
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "train.world_size=1", "train.lr=1e-2",
                   lora={"rank": 8, "alpha": 16})
-    ref = run_rl(cfg, sft_policy)
+    ref = run_rl(cfg, micro_sft)
     m = read_manifest(ref.path)
-    assert (m.kind, m.parent, m.base) == ("adapter", sft_policy.digest, sft_policy.digest)
+    assert (m.kind, m.parent, m.base) == ("adapter", micro_sft.digest, micro_sft.digest)
     assert (Path(ref.path) / "adapter_model.safetensors").is_file() and not (Path(ref.path) / "model.safetensors").exists()
-    steps = _metrics(ref)
+    steps = metrics(ref)
     assert all(s["sync_logprob_diff"] <= 1e-3 for s in steps)  # vLLM runs base + adapter, merged
-    merged = run_lora_merge(LoraMergeConfig(output_root=str(tmp_path)), ref, sft_policy)
+    merged = run_lora_merge(LoraMergeConfig(output_root=str(tmp_path)), ref, micro_sft)
     assert read_manifest(merged.path).kind == "full"
     new = AutoModelForCausalLM.from_pretrained(merged.path, dtype=torch.float32)
-    old = AutoModelForCausalLM.from_pretrained(sft_policy.path, dtype=torch.float32)
+    old = AutoModelForCausalLM.from_pretrained(micro_sft.path, dtype=torch.float32)
     q_new, q_old = new.model.layers[0].self_attn.q_proj.weight, old.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(q_new, q_old) and torch.equal(new.lm_head.weight, old.lm_head.weight)  # adapters on linear layers
     assert ray_processes() == []
 
 
-def test_reward_model_as_the_reward_source(task_files, sft_policy, tokenizer, tmp_path):
+def test_reward_model_as_the_reward_source(task_files, micro_sft, tokenizer, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     from stages.reward_model import RewardModelConfig, run_reward_model, score_padded
@@ -424,12 +417,12 @@ def test_reward_model_as_the_reward_source(task_files, sft_policy, tokenizer, tm
         "eval_data": {"paths": [str(task_files["preference_eval"])], "max_len": 64},
         "train": {"dtype": "fp32", "train_batch_size": 8, "micro_train_batch_size": 8, "max_steps": 2, "progress_bar": False},
         "output_root": str(tmp_path),
-    }), sft_policy)
+    }), micro_sft)
     # PPO with a critic: it starts from the reward model (its body and score head), as in OpenRLHF
-    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", reward={"model": rm.path},
-                  max_steps=1, log_rollouts_every=1, train__world_size=1, train__zero_stage=2,
-                  algo__normalize_reward=True, algo__advantage_estimator="gae")
-    out = run_rl(cfg, sft_policy)
+    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", "max_steps=1", "log_rollouts_every=1",
+                  "train.world_size=1", "train.zero_stage=2", "algo.normalize_reward=true", "algo.advantage_estimator=gae",
+                  reward={"model": rm.path})
+    out = run_rl(cfg, micro_sft, reward_model=rm)  # the stage's CLI and the flows resolve reward.model into it
     rows = [json.loads(ln) for ln in (Path(out.path).parent / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(rows) == 32
     model = AutoModelForSequenceClassification.from_pretrained(rm.path, num_labels=1, dtype=torch.float32).eval()
@@ -440,12 +433,12 @@ def test_reward_model_as_the_reward_source(task_files, sft_policy, tokenizer, tm
             score = score_padded(model, ids, torch.ones_like(ids)).item()
             assert r["reward"] == pytest.approx((score - mean) / std, abs=1e-4)
     with pytest.raises(Exception, match=r"a 'full' checkpoint \(from stage 'sft'\) was given as the RL reward model"):
-        run_rl(_config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", reward={"model": sft_policy.path},
-                       train__world_size=1), sft_policy)
+        run_rl(_config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", "train.world_size=1",
+                       reward={"model": micro_sft.path}), micro_sft, reward_model=micro_sft)
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
-def test_a_killed_rl_stage_leaves_no_ray_process_and_no_temp_folder(task_files, sft_policy, tmp_path, sig):
+def test_a_killed_rl_stage_leaves_no_ray_process_and_no_temp_folder(task_files, micro_sft, tmp_path, sig):
     """SIGTERM unwinds through the cluster's shutdown; after SIGKILL the reaper ends the cluster's processes
     and removes its temp folder."""
     import signal
@@ -453,14 +446,14 @@ def test_a_killed_rl_stage_leaves_no_ray_process_and_no_temp_folder(task_files, 
     import sys
     import time
 
-    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", max_steps=500,
-                  train__world_size=1, train__zero_stage=2)
+    cfg = _config(task_files, tmp_path, ROOT / "recipes/rewards/arithmetic.py", "max_steps=500",
+                  "train.world_size=1", "train.zero_stage=2")
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
     script = (
         "import sys; sys.path.insert(0, {!r})\n"
         "from checkpoints import load_ref\nfrom stages.rl.config import RLConfig\nfrom stages.rl.driver import run_rl\n"
         "run_rl(RLConfig.model_validate_json(open({!r}).read()), load_ref({!r}))\n"
-    ).format(str(ROOT), str(tmp_path / "cfg.json"), sft_policy.path)
+    ).format(str(ROOT), str(tmp_path / "cfg.json"), micro_sft.path)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     metrics = None
@@ -485,10 +478,10 @@ def test_a_killed_rl_stage_leaves_no_ray_process_and_no_temp_folder(task_files, 
 
 
 @pytest.mark.gpu
-def test_on_cuda_one_learner_and_one_engine_train_and_sync(task_files, sft_policy, tmp_path):
+def test_on_cuda_one_learner_and_one_engine_train_and_sync(task_files, micro_sft, tmp_path):
     """The GPU path (NCCL, the actor's own visible GPU as device 0, vLLM on CUDA): two steps, every push verified."""
-    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), max_steps=2, train__world_size=1,
-                  train__zero_stage=3, train__dtype="bf16", rollout__dtype="bfloat16", sync_tolerance=0.05)
-    steps = _metrics(run_rl(cfg, sft_policy))
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "max_steps=2", "train.world_size=1",
+                  "train.zero_stage=3", "train.dtype=bf16", "rollout.dtype=bfloat16", "sync_tolerance=0.05")
+    steps = metrics(run_rl(cfg, micro_sft))
     assert [s["step"] for s in steps] == [1, 2] and all(s["sync_logprob_diff"] <= 0.05 for s in steps)
     assert ray_processes() == []

@@ -146,8 +146,8 @@ def test_aggregation_does_not_depend_on_the_micro_batch_split(mode):
 
 
 def test_bad_keys_list_the_valid_ones():
-    with pytest.raises(ValueError, match="advantage estimator .vtrace. is unknown; valid: dr_grpo, gae, group_norm, reinforce"):
-        lookup(ADVANTAGE_ESTIMATORS, "vtrace", "advantage estimator")
+    with pytest.raises(ValueError, match="advantage_estimator: .vtrace. is unknown; valid: dr_grpo, gae, group_norm, reinforce"):
+        lookup(ADVANTAGE_ESTIMATORS, "vtrace", "advantage_estimator")
     with pytest.raises(ValueError, match="group"):
         ADVANTAGE_ESTIMATORS["rloo"](AdvantageInput(torch.ones(3), torch.ones(3, 2), 2))
 

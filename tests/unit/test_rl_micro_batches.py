@@ -109,7 +109,7 @@ def test_sync_check_counts_only_tokens_the_learner_finds_likely():
 
 @pytest.mark.parametrize("kind", ["tis", "icepop"])
 def test_the_learners_loss_weights_each_token_by_the_engine_is_correction(kind):
-    from stages.rl.algorithms import IS_CORRECTIONS
+    from stages.rl.algorithms import IS_CORRECTIONS, ISInput
 
     cfg = RLConfig.model_validate({
         "data": {"paths": ["x.jsonl"]},
@@ -139,7 +139,7 @@ def test_the_learners_loss_weights_each_token_by_the_engine_is_correction(kind):
     loss, metrics = learner.micro_loss(model, share, kl_coef=0.0)
     mask = s.response_mask.float()
     logp = learner._forward_logps(model, s.input_ids, s.attention_mask).detach()
-    w = IS_CORRECTIONS[kind](logp, s.rollout_logp, mask, 0.8, 1.25)
+    w = IS_CORRECTIONS[kind](ISInput(logp, s.rollout_logp, mask, 0.8, 1.25))
     assert 0 < int(((w > 0) & ((w - 1).abs() > 1e-6)).sum()) and (kind != "icepop" or bool(((w == 0) & mask.bool()).any()))
     expected = (-exp.advantages * w * mask).sum() / mask.sum()  # ratio 1 on-policy; token_mean
     assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-6)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stages.common.generation import Completion
-from stages.rl.algorithms import IS_CORRECTIONS, groups_in_range, stop_properly_penalty
+from stages.rl.algorithms import IS_CORRECTIONS, ISInput, groups_in_range, stop_properly_penalty
 from stages.rl.config import RLConfig
 from stages.rl.experience import Forward, Samples, Scores, StepPlan, make_experience
 
@@ -21,27 +21,27 @@ ROLLOUT = OLD - LOG_RATIO
 
 
 def test_tis_clamps_each_token_ratio():
-    w = IS_CORRECTIONS["tis"](OLD, ROLLOUT, MASK, 0.5, 5.0)
+    w = IS_CORRECTIONS["tis"](ISInput(OLD, ROLLOUT, MASK, 0.5, 5.0))
     assert torch.allclose(w, torch.tensor([[0.5, 1.0, 2.0], [5.0, 1.5, 0.0]], dtype=w.dtype))
 
 
 def test_icepop_drops_tokens_whose_ratio_is_outside():
-    w = IS_CORRECTIONS["icepop"](OLD, ROLLOUT, MASK, 0.5, 5.0)
+    w = IS_CORRECTIONS["icepop"](ISInput(OLD, ROLLOUT, MASK, 0.5, 5.0))
     assert torch.allclose(w, torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.5, 0.0]], dtype=w.dtype))
 
 
 def test_seq_mask_tis_drops_whole_sequences_by_their_geometric_mean_ratio():
     # geometric means: (0.4 * 1 * 2) ** (1/3) = 0.928 (kept), (6 * 1.5) ** (1/2) = 3 (kept with [0.5, 5]; dropped with [0.5, 2])
-    w = IS_CORRECTIONS["seq-mask-tis"](OLD, ROLLOUT, MASK, 0.5, 5.0)
+    w = IS_CORRECTIONS["seq-mask-tis"](ISInput(OLD, ROLLOUT, MASK, 0.5, 5.0))
     assert torch.allclose(w, torch.tensor([[0.4, 1.0, 2.0], [6.0, 1.5, 0.0]], dtype=w.dtype))
-    w = IS_CORRECTIONS["seq-mask-tis"](OLD, ROLLOUT, MASK, 0.5, 2.0)
+    w = IS_CORRECTIONS["seq-mask-tis"](ISInput(OLD, ROLLOUT, MASK, 0.5, 2.0))
     assert torch.allclose(w, torch.tensor([[0.4, 1.0, 2.0], [0.0, 0.0, 0.0]], dtype=w.dtype))
 
 
 @pytest.mark.parametrize("kind", sorted(IS_CORRECTIONS))
 def test_is_weights_carry_no_gradient(kind):
     old = OLD.clone().requires_grad_(True)
-    assert not IS_CORRECTIONS[kind](old, ROLLOUT, MASK, 0.5, 5.0).requires_grad
+    assert not IS_CORRECTIONS[kind](ISInput(old, ROLLOUT, MASK, 0.5, 5.0)).requires_grad
 
 
 def test_stop_properly_penalty_scales_or_replaces_truncated_rewards():

@@ -1,0 +1,171 @@
+"""The RL stage's sampler: which prompts a step draws, their rollouts (single-turn, or an agent's episodes), their
+scores, and DAPO's dynamic filtering. Two calls a step: :meth:`Sampler.start` (the engines begin; with async
+training the loop starts later steps ahead) and :meth:`Sampler.collect` (wait, score, filter) -> :class:`Rollout`.
+
+Token-in-token-out: the samples are the token ids the engines produced; the prompts are rendered once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from datasets_prep.packing import BatchSchedule
+from datasets_prep.sft import render_prompt
+from stages.rl.algorithms import groups_in_range
+from stages.rl.config import RLConfig
+from stages.rl.experience import Samples, Scores
+from stages.rl.rewards import RewardSource, Timed
+from stages.rl.rollout import EnginePool
+
+
+@dataclass
+class Rollout:
+    """A step's samples and their scores, with what the sampler measured."""
+
+    samples: Samples
+    scores: Scores
+    metrics: dict[str, float] = field(default_factory=dict)  # dynamic filtering's share and prompts drawn
+    reward_s: float = 0.0  # seconds spent in the reward source
+
+
+@dataclass
+class Started:
+    """A step's rollout on its way: the prompts' rows, their seed, the engines' pending calls (none for episodes,
+    which run turn by turn when collected)."""
+
+    idx: list[int]
+    seed: int
+    refs: list | None
+
+
+class SingleTurn:
+    """One response per sample, all sampled at once."""
+
+    def __init__(self, engines: EnginePool, prompt_ids: list[list[int]]):
+        self.engines, self.prompt_ids = engines, prompt_ids
+
+    def start(self, idx: list[int], n: int, temperature: float, seed: int, logprobs: bool) -> list:
+        return self.engines.launch([self.prompt_ids[i] for i in idx], n, temperature, seed, logprobs)
+
+    def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool) -> list:
+        return self.engines.gather(started.refs)
+
+
+class Episodes:
+    """An agent's episodes (``stages.rl.agents``): every turn's actions sampled by the engines."""
+
+    def __init__(self, engines: EnginePool, agent, tokenizer, render: Callable[[Any], list[int]], cfg: RLConfig):
+        self.engines, self.agent, self.tok, self.render, self.cfg = engines, agent, tokenizer, render, cfg
+
+    def start(self, idx: list[int], n: int, temperature: float, seed: int, logprobs: bool) -> None:
+        return None
+
+    def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool) -> list:
+        from stages.rl.agents import run_episodes
+
+        ro = self.cfg.rollout
+        return run_episodes(self.agent, lambda ids, k, s: self.engines.generate(ids, k, temperature, s, logprobs), self.tok,
+                            self.render, rows, data.prompt_key, data.label_key, n, ro.max_turns, ro.max_new_tokens,
+                            ro.max_model_len, started.seed, logprobs)
+
+
+class Sampler:
+    def __init__(self, cfg: RLConfig, tokenizer, engines: EnginePool, rows: list[dict], rewards: RewardSource,
+                 with_logp: bool, agent=None):
+        self.cfg, self.tok, self.rows, self.with_logp = cfg, tokenizer, rows, with_logp
+        self.rewards = Timed(rewards)
+        render = self.render
+        self.kind = SingleTurn(engines, [render(r[cfg.data.prompt_key]) for r in rows]) if agent is None else \
+            Episodes(engines, agent, tokenizer, render, cfg)
+        self.engines = engines
+        ro = cfg.rollout
+        self.schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
+        # dynamic filtering's extra prompts: a schedule of its own, so the main batches stay as without filtering
+        self.extra_schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed + 7_919)
+
+    def render(self, prompt) -> list[int]:
+        return self.tok(render_prompt(self.tok, prompt, self.cfg.data), add_special_tokens=False)["input_ids"]
+
+    def batch(self, step: int, extra: int = 0) -> tuple[list[int], int]:
+        """The rows of the step's prompts (``extra`` > 0: its extra batch number ``extra``, drawn for dynamic
+        filtering) and their sampling seed."""
+        if extra:
+            idx = self.extra_schedule.global_batch(step * self.cfg.algo.dynamic_filtering_max_batches + extra - 1)
+        else:
+            idx = self.schedule.global_batch(step)
+        return list(idx), self.cfg.seed * 100_003 + step + extra * 1_000_033
+
+    def start(self, step: int, extra: int = 0) -> Started:
+        """Start sampling the step's prompts, ``n_samples_per_prompt`` each (with the engines' log-probs when
+        the plan asks for them)."""
+        ro = self.cfg.rollout
+        idx, seed = self.batch(step, extra)
+        return Started(idx, seed, self.kind.start(idx, ro.n_samples_per_prompt, ro.temperature, seed, self.with_logp))
+
+    def _scored(self, started: Started) -> tuple[list, Samples, Scores]:
+        ro = self.cfg.rollout
+        rows = [self.rows[i] for i in started.idx]
+        groups = self.kind.finish(started, rows, self.cfg.data, ro.n_samples_per_prompt, ro.temperature, self.with_logp)
+        samples = Samples.of(started.idx, groups, self.tok.pad_token_id, self.with_logp)
+        return groups, samples, self.rewards.score(rows, samples)
+
+    def collect(self, step: int, started: Started) -> Rollout:
+        """The step's samples and their scores. With ``algo.dynamic_filtering`` (DAPO), see :meth:`filtered`."""
+        self.rewards.seconds = 0.0
+        groups, samples, scores = self._scored(started)
+        if self.cfg.algo.dynamic_filtering is None:
+            return Rollout(samples, scores, reward_s=self.rewards.seconds)
+        out = self.filtered(step, started.idx, groups, scores)
+        out.reward_s = self.rewards.seconds
+        return out
+
+    def filtered(self, step: int, idx: list[int], groups: list, scores: Scores) -> Rollout:
+        """DAPO's dynamic filtering: the groups whose mean score lies outside the range are dropped and extra
+        batches of prompts drawn (at most ``dynamic_filtering_max_batches``) until ``rollout_batch_size`` groups
+        remain; the first ones are kept. Its metrics: the share of drawn groups filtered out, and how many."""
+        algo, ro = self.cfg.algo, self.cfg.rollout
+        n, want = ro.n_samples_per_prompt, ro.rollout_batch_size
+        kept_idx, kept_groups, kept_scores, drawn = [], [], [], 0
+        for extra in range(algo.dynamic_filtering_max_batches + 1):
+            if extra:
+                started = self.start(step, extra)
+                groups, _, scores = self._scored(started)
+                idx = started.idx
+            drawn += len(idx)
+            keep = groups_in_range(scores.scores, n, *algo.dynamic_filtering)
+            kept_idx += [idx[g] for g in keep]
+            kept_groups += [groups[g] for g in keep]
+            kept_scores.append(scores.rows([g * n + j for g in keep for j in range(n)]))
+            if len(kept_idx) >= want:
+                break
+        else:
+            raise RuntimeError(
+                f"dynamic filtering: only {len(kept_idx)} of the {drawn} prompt groups drawn at step {step + 1} have a mean "
+                f"score inside algo.dynamic_filtering={list(algo.dynamic_filtering)}, fewer than rollout_batch_size={want} "
+                f"after algo.dynamic_filtering_max_batches={algo.dynamic_filtering_max_batches} extra batches; widen the "
+                "range, allow more extra batches, or use data the policy neither always solves nor always fails"
+            )
+        samples = Samples.of(kept_idx[:want], kept_groups[:want], self.tok.pad_token_id, self.with_logp)
+        scores = Scores.cat(kept_scores).rows(list(range(want * n)))
+        return Rollout(samples, scores, {"filtered_share": 1 - (len(kept_idx) / drawn), "prompts_drawn": float(drawn)})
+
+    def evaluate(self, rows: list[dict], grader=None) -> dict[str, float]:
+        """Greedy held-out score on ``rows`` (``eval_data``): the grader's accuracy when one is set, else the
+        reward source's (an agent's episodes: their score, turns and info; a reward model: its mean score)."""
+        if not rows:
+            return {}
+        data = self.cfg.eval_data
+        started = Started(list(range(len(rows))), self.cfg.seed, None)
+        if isinstance(self.kind, SingleTurn):
+            started.refs = self.engines.launch([self.render(r[data.prompt_key]) for r in rows], 1, 0.0, self.cfg.seed)
+        groups = self.kind.finish(started, rows, data, 1, 0.0, False)
+        samples = Samples.of(started.idx, groups, self.tok.pad_token_id, with_logp=False)
+        if grader is not None:
+            from stages.common.graders import grade
+
+            hits = [grade(grader, self.tok.decode(r, skip_special_tokens=True), row[data.label_key], f"eval row {i + 1}")
+                    for i, (r, row) in enumerate(zip(samples.response_ids, rows, strict=True))]
+            return {"eval_accuracy": sum(hits) / len(hits)}
+        return self.rewards.source.held_out(self.rewards.score(rows, samples))
