@@ -110,43 +110,55 @@ def _scan_json_rows(name: str, mtime_ns: int, size: int) -> tuple[int, ...]:
     """
     path = Path(name)
     raw = path.read_bytes()
-    if path.suffix.lower() == ".json" and raw.lstrip()[:1] == b"[":
-        try:
-            items = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            line = raw[: e.start].count(b"\n") + 1
-            raise DataError(f"{path} line {line}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") from e
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from e
-        rows = [(f"item {i + 1}", item) for i, item in enumerate(items)]
-        lines = list(range(1, len(items) + 1))
-    else:
-        rows, lines = [], []
-        for n, line in enumerate(raw.split(b"\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path} line {n}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})") from e
-            try:
-                rows.append((f"line {n}", json.loads(text)))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {n}: not valid JSON ({e.msg}, column {e.colno}; line starts {text[:60]!r})") from e
-            lines.append(n)
+    rows, lines = _json_array(path, raw) if path.suffix.lower() == ".json" and raw.lstrip()[:1] == b"[" else _json_lines(path, raw)
     first: dict[str, tuple[str, str]] = {}  # field -> (its JSON type, where it was first seen)
     for where, row in rows:
         if not isinstance(row, dict):
             raise DataError(f"{path} {where}: a JSON {_kind(row) or 'null'} ({json.dumps(row)[:60]}); expected an object with named fields")
-        for key, value in row.items():
-            kind = _kind(value)
-            if kind is None:
-                continue
-            seen = first.setdefault(key, (kind, where))
-            if seen[0] != kind:
-                raise DataError(f"{path} {where}: field '{key}' is a JSON {kind} (value {json.dumps(value)[:60]}); "
-                                f"it is a {seen[0]} in {seen[1]}, and a column holds one type")
+        _check_field_types(path, where, row, first)
     return tuple(lines)
+
+
+def _json_array(path: Path, raw: bytes) -> tuple[list[tuple[str, Any]], list[int]]:
+    """The items of a .json file holding one array, as (where, row), and their numbers."""
+    try:
+        items = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path} line {line}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from e
+    return [(f"item {i + 1}", item) for i, item in enumerate(items)], list(range(1, len(items) + 1))
+
+
+def _json_lines(path: Path, raw: bytes) -> tuple[list[tuple[str, Any]], list[int]]:
+    """The rows of a JSON-lines file, as (where, row), and their line numbers (blank lines skipped)."""
+    rows, lines = [], []
+    for n, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path} line {n}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})") from e
+        try:
+            rows.append((f"line {n}", json.loads(text)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n}: not valid JSON ({e.msg}, column {e.colno}; line starts {text[:60]!r})") from e
+        lines.append(n)
+    return rows, lines
+
+
+def _check_field_types(path: Path, where: str, row: dict, first: dict[str, tuple[str, str]]) -> None:
+    """Each field's JSON type is the one it had where it was first seen (``first``, updated here)."""
+    for key, value in row.items():
+        kind = _kind(value)
+        if kind is None:
+            continue
+        seen = first.setdefault(key, (kind, where))
+        if seen[0] != kind:
+            raise DataError(f"{path} {where}: field '{key}' is a JSON {kind} (value {json.dumps(value)[:60]}); "
+                            f"it is a {seen[0]} in {seen[1]}, and a column holds one type")
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -195,36 +207,39 @@ def load_rows(config: DataConfig, check_row=None) -> list[dict]:
     ``check_row`` raises :class:`DataError`; ``where`` reads like ``data/sft.jsonl row 17``
     (1-based, the line number for JSONL files).
     """
-    import datasets
-
     parts = []
     for path in config.paths:
         ds = load_source(path, config.split, config.subset)
         if len(ds) == 0:
             raise DataError(f"{path}: dataset is empty (split '{config.split}')")
         if check_row is not None:
-            p = Path(path)
-            lines = scan_json_rows(p) if p.is_file() and _FILE_BUILDERS.get(p.suffix.lower()) == "json" else None
-            for i, row in enumerate(ds):
-                line = f" (line {lines[i]})" if lines is not None and i < len(lines) and lines[i] != i + 1 else ""
-                check_row(row, f"{path} row {i + 1}{line}")
+            _check_rows(path, ds, check_row)
         parts.append(ds)
-    if len(parts) == 1:
-        mixed = parts[0]
-    else:
-        common = set(parts[0].column_names).intersection(*(p.column_names for p in parts[1:]))
-        parts = [p.select_columns(sorted(common)) for p in parts]
-        probs = config.dataset_probs or [1.0] * len(parts)
-        total = sum(probs)
-        mixed = datasets.interleave_datasets(
-            parts,
-            probabilities=[p / total for p in probs],
-            seed=config.seed,
-            stopping_strategy="first_exhausted",
-        )
+    mixed = parts[0] if len(parts) == 1 else _mix(parts, config)
     if config.max_samples is not None:
         mixed = mixed.select(range(min(config.max_samples, len(mixed))))
     return list(mixed)
+
+
+def _check_rows(path: str, ds, check_row) -> None:
+    """``check_row(row, where)`` on every row of one source (a JSON file's rows named by their line too)."""
+    p = Path(path)
+    lines = scan_json_rows(p) if p.is_file() and _FILE_BUILDERS.get(p.suffix.lower()) == "json" else None
+    for i, row in enumerate(ds):
+        line = f" (line {lines[i]})" if lines is not None and i < len(lines) and lines[i] != i + 1 else ""
+        check_row(row, f"{path} row {i + 1}{line}")
+
+
+def _mix(parts: list, config: DataConfig):
+    """Several sources interleaved by ``dataset_probs`` (their shared columns), until the first runs out."""
+    import datasets
+
+    common = set(parts[0].column_names).intersection(*(p.column_names for p in parts[1:]))
+    parts = [p.select_columns(sorted(common)) for p in parts]
+    probs = config.dataset_probs or [1.0] * len(parts)
+    total = sum(probs)
+    return datasets.interleave_datasets(parts, probabilities=[p / total for p in probs], seed=config.seed,
+                                        stopping_strategy="first_exhausted")
 
 
 def require_text(row: dict, key: str, where: str, role: str, allow_messages: bool = False) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,43 +84,58 @@ def pair_of(row: dict, config: DataConfig, where: str) -> dict:
     has_prompt = config.prompt_key is not None and row.get(config.prompt_key) is not None
     prompt = require_text(row, config.prompt_key, where, "prompt_key", allow_messages=True) if has_prompt else None
     if isinstance(chosen, list):
-        if prompt is not None:
-            head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            sides = [side[len(head):] if side[: len(head)] == head else side for side in (chosen, rejected)]
-        else:
-            k = _shared_len(chosen, rejected)
-            if k == 0:
-                raise DataError(f"{where}: '{config.chosen_key}' and '{config.rejected_key}' share no leading messages to take "
-                                f"the prompt from; give the prompt in a column (prompt_key)")
-            prompt, sides = chosen[:k], [chosen[k:], rejected[k:]]
-        for key, side in zip((config.chosen_key, config.rejected_key), sides, strict=True):
-            if len(side) != 1 or side[0]["role"] != "assistant":
-                raise DataError(f"{where}: field '{key}' has {[m['role'] for m in side]} after the prompt; expected one "
-                                f"assistant message (the response)")
-        chosen, rejected = sides[0][0]["content"], sides[1][0]["content"]
+        prompt, chosen, rejected = _message_pair(prompt, chosen, rejected, config, where)
     elif prompt is None:
-        if config.prompt_key is not None:
-            raise DataError(f"{where}: key '{config.prompt_key}' missing (prompt_key='{config.prompt_key}'); for transcripts "
-                            f"with no prompt column set prompt_key: null")
-        k = _transcript_prompt(chosen, rejected, config.prompt_marker)
-        if k == 0:
-            raise DataError(f"{where}: '{config.chosen_key}' and '{config.rejected_key}' share no prefix to take the prompt "
-                            f"from (prompt_key: null)")
-        prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
-        for key, text in ((config.chosen_key, chosen), (config.rejected_key, rejected)):
-            if not text.strip():
-                raise DataError(f"{where}: field '{key}' has no response after the shared prompt {prompt[-40:]!r}")
+        prompt, chosen, rejected = _transcript_pair(chosen, rejected, config, where)
     if chosen.strip() == rejected.strip():
         raise DataError(
             f"{where}: '{config.chosen_key}' equals '{config.rejected_key}' ({chosen!r:.60}); a pair needs two different responses"
         )
-    margin = 0.0
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": _margin(row, config, where)}
+
+
+def _message_pair(prompt, chosen: list, rejected: list, config: DataConfig, where: str) -> tuple[Any, str, str]:
+    """Chat-message sides: the prompt (the column's, or the messages both share) and each side's one assistant reply."""
+    if prompt is not None:
+        head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        sides = [side[len(head):] if side[: len(head)] == head else side for side in (chosen, rejected)]
+    else:
+        k = _shared_len(chosen, rejected)
+        if k == 0:
+            raise DataError(f"{where}: '{config.chosen_key}' and '{config.rejected_key}' share no leading messages to take "
+                            f"the prompt from; give the prompt in a column (prompt_key)")
+        prompt, sides = chosen[:k], [chosen[k:], rejected[k:]]
+    for key, side in zip((config.chosen_key, config.rejected_key), sides, strict=True):
+        if len(side) != 1 or side[0]["role"] != "assistant":
+            raise DataError(f"{where}: field '{key}' has {[m['role'] for m in side]} after the prompt; expected one "
+                            f"assistant message (the response)")
+    return prompt, sides[0][0]["content"], sides[1][0]["content"]
+
+
+def _transcript_pair(chosen: str, rejected: str, config: DataConfig, where: str) -> tuple[str, str, str]:
+    """Transcripts with no prompt column: the prompt is their common prefix up to its last ``prompt_marker``."""
+    if config.prompt_key is not None:
+        raise DataError(f"{where}: key '{config.prompt_key}' missing (prompt_key='{config.prompt_key}'); for transcripts "
+                        f"with no prompt column set prompt_key: null")
+    k = _transcript_prompt(chosen, rejected, config.prompt_marker)
+    if k == 0:
+        raise DataError(f"{where}: '{config.chosen_key}' and '{config.rejected_key}' share no prefix to take the prompt "
+                        f"from (prompt_key: null)")
+    prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
+    for key, text in ((config.chosen_key, chosen), (config.rejected_key, rejected)):
+        if not text.strip():
+            raise DataError(f"{where}: field '{key}' has no response after the shared prompt {prompt[-40:]!r}")
+    return prompt, chosen, rejected
+
+
+def _margin(row: dict, config: DataConfig, where: str) -> float:
+    """The pair's margin: its ``margin_key`` column, or the difference of its two ``score_keys``, else 0."""
     if config.margin_key is not None:
-        margin = _number(row, config.margin_key, where, f"margin_key='{config.margin_key}'")
-    elif config.score_keys is not None:
+        return _number(row, config.margin_key, where, f"margin_key='{config.margin_key}'")
+    if config.score_keys is not None:
         a, b = config.score_keys
-        margin = _number(row, a, where, f"score_keys={list(config.score_keys)}") - _number(row, b, where, f"score_keys={list(config.score_keys)}")
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "margin": margin}
+        return _number(row, a, where, f"score_keys={list(config.score_keys)}") - _number(row, b, where, f"score_keys={list(config.score_keys)}")
+    return 0.0
 
 
 def check_pair_row(config: DataConfig):

@@ -103,27 +103,18 @@ def run_eval(
     run: StageRun | None = None,
 ) -> EvalReport:
     """Evaluate ``models`` ({label: checkpoint}; a plain list is labelled ``stage:digest[:8]``) and write the report."""
-    if not models:
-        raise ValueError("eval: no models to evaluate (give models=[...] or wire stages into the eval stage)")
-    if not isinstance(models, Mapping):
-        labels = [f"{m.stage}:{m.digest[:8]}" for m in models]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"eval: the same checkpoint is given twice ({labels})")
-        models = dict(zip(labels, models, strict=True))
+    models = _labelled(models)
     run = SPEC.identify(config, {"models": models, "reward_model": reward_model, "reference": reference}, run)
     if config.num_samples and config.pass_k > config.num_samples:
         raise ValueError(f"eval: pass_k={config.pass_k} needs num_samples >= pass_k (got num_samples={config.num_samples})")
     rows = load_rows(config.data, check_prompt_label_row(config.data))
     load_grader(config.grader)  # a bad reference fails here, before any model loads
-    for ref in models.values():
-        verify(ref)
-        require_kind(ref, ("full",), "a model to evaluate (merge adapters first)")
-    if reward_model is not None:
-        verify(reward_model)
-        require_kind(reward_model, ("reward",), "the reward model of the eval stage")
-    if reference is not None:
-        verify(reference)
-        require_kind(reference, ("full",), "the KL reference of the eval stage")
+    for ref, kinds, what in [*((ref, ("full",), "a model to evaluate (merge adapters first)") for ref in models.values()),
+                             (reward_model, ("reward",), "the reward model of the eval stage"),
+                             (reference, ("full",), "the KL reference of the eval stage")]:
+        if ref is not None:
+            verify(ref)
+            require_kind(ref, kinds, what)
     with run.claimed() as folder:
         cfg = config.model_dump(mode="json")
         generated = {}
@@ -135,18 +126,26 @@ def run_eval(
             job = {"config": cfg, "generated": generated,
                    "reward_model": reward_model.path if reward_model else None, "reference": reference.path if reference else None}
             scores = launch("stages.eval:score_rank", job, 1, folder / "score", timeout_s=config.timeout_s)
-        metrics = {}
-        for label in models:
-            g, s = generated[label], scores.get(label, {})
-            metrics[label] = {
-                "accuracy": g["accuracy"],
-                "pass@k": g["pass_at_k"],
-                "response_length": g["response_length"],
-                "reward": s.get("reward"),
-                "kl_to_reference": s.get("kl_to_reference"),
-                "n": g["n"],
-            }
+        metrics = {label: _row(generated[label], scores.get(label, {})) for label in models}
         return write_report(folder, config, metrics)
+
+
+def _labelled(models: Mapping[str, CheckpointRef] | Sequence[CheckpointRef]) -> Mapping[str, CheckpointRef]:
+    """The models by label (a plain list: ``stage:digest[:8]`` each, every checkpoint once)."""
+    if not models:
+        raise ValueError("eval: no models to evaluate (give models=[...] or wire stages into the eval stage)")
+    if isinstance(models, Mapping):
+        return models
+    labels = [f"{m.stage}:{m.digest[:8]}" for m in models]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"eval: the same checkpoint is given twice ({labels})")
+    return dict(zip(labels, models, strict=True))
+
+
+def _row(generated: dict, scored: dict) -> dict:
+    """One model's row of the report, from its generation rank's answer and the scoring rank's."""
+    return {"accuracy": generated["accuracy"], "pass@k": generated["pass_at_k"], "response_length": generated["response_length"],
+            "reward": scored.get("reward"), "kl_to_reference": scored.get("kl_to_reference"), "n": generated["n"]}
 
 
 def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> EvalReport:

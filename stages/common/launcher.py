@@ -104,6 +104,26 @@ def _failure_text(run_dir: Path, rank: int, code: int) -> str:
     return f"rank {rank} died with {how}{hint}; last log lines:\n{tail}"
 
 
+def _wait(procs: list[subprocess.Popen], target: str, run_dir: Path, timeout_s: float | None) -> None:
+    """Until every rank exits 0; a rank that fails (the first to write its traceback is the cause: the others die
+    of its absence) or the deadline ends them all with a :class:`StageFailed` / :class:`StageTimeout`."""
+    start = time.time()
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = sorted(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), key=lambda rc: _error_time(run_dir, rc[0]))
+        if failed:
+            _kill(procs)
+            raise StageFailed(_failure_text(run_dir, *failed[0]))
+        if all(c == 0 for c in codes):
+            return
+        if timeout_s is not None and time.time() - start > timeout_s:
+            running = [r for r, c in enumerate(codes) if c is None]
+            _kill(procs)
+            raise StageTimeout(f"{target}: no result within its deadline of {timeout_s:g} s; rank(s) {running} of "
+                               f"{len(procs)} still running (hung?) were ended with their process groups; logs: {run_dir / 'logs'}")
+        time.sleep(0.2)
+
+
 def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout_s: float | None = None,
            env: dict[str, str] | None = None) -> dict:
     """Run ``target`` (``module:function(job, rank, world_size) -> dict``) on ``world_size`` ranks.
@@ -124,36 +144,13 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
         for rank in range(world_size):
             log = open(run_dir / "logs" / f"rank{rank}.log", "w")
             logs.append(log)
-            cmd = [sys.executable, "-m", worker.__name__, target, str(job_path), str(run_dir)]
-            out = None if rank == 0 else log
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    env={**rank_env(rank, world_size, port), **(env or {})},
-                    cwd=os.getcwd(),
-                    stdout=out if out else None,
-                    stderr=subprocess.STDOUT if out else None,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            )
-        start = time.time()
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # the rank whose traceback was written first is the cause; the others died of its absence
-                failed.sort(key=lambda rc: _error_time(run_dir, rc[0]))
-                _kill(procs)
-                raise StageFailed(_failure_text(run_dir, *failed[0]))
-            if all(c == 0 for c in codes):
-                break
-            if timeout_s is not None and time.time() - start > timeout_s:
-                running = [r for r, c in enumerate(codes) if c is None]
-                _kill(procs)
-                raise StageTimeout(f"{target}: no result within its deadline of {timeout_s:g} s; rank(s) {running} of "
-                                   f"{world_size} still running (hung?) were ended with their process groups; logs: {run_dir / 'logs'}")
-            time.sleep(0.2)
+            out = None if rank == 0 else log  # rank 0 prints to the caller's output
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", worker.__name__, target, str(job_path), str(run_dir)],
+                env={**rank_env(rank, world_size, port), **(env or {})}, cwd=os.getcwd(), stdout=out,
+                stderr=subprocess.STDOUT if out else None, start_new_session=True, preexec_fn=_die_with_parent,
+            ))
+        _wait(procs, target, run_dir, timeout_s)
     except BaseException:
         _kill(procs)
         raise

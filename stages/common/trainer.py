@@ -306,19 +306,12 @@ def fit(
     ``evaluate`` (called on every rank, in eval mode, every ``eval_steps`` and after the last step)
     returns held-out metrics, logged with an ``eval_`` prefix.
     """
-    import torch.distributed as dist
     from tqdm import tqdm
 
     engine = eng.engine
     schedule = BatchSchedule(len(items), train.train_batch_size, train.micro_train_batch_size, world_size, train.seed)
-    start = 0
-    saved = resumable_state(run_dir / STATE_DIR) if train.resume else None
-    if saved is not None:
-        _, client = engine.load_checkpoint(str(run_dir / STATE_DIR), tag=saved.tag)
-        start = int(client["step"])
-        torch.set_rng_state(client["torch_rng"])
+    start = _resume(engine, run_dir, train)
     writer = MetricsWriter(run_dir, start, enabled=rank == 0)
-    dev = device()
     history: list[dict[str, float]] = []
     bar = tqdm(total=total_steps, initial=start, disable=rank != 0 or not train.progress_bar, desc="train")
     engine.train()
@@ -327,49 +320,80 @@ def fit(
         norm = float(sum(weight(items[i]) for i in schedule.global_batch(step)))
         if norm <= 0:
             raise ValueError(f"step {step + 1}: the global batch has no loss weight (no target tokens)")
-        scale = train.accumulation_steps * world_size / norm
         lr = engine.get_lr()[0]
-        sums: dict[str, torch.Tensor] = {}
-        tokens = torch.zeros((), dtype=torch.float64)
-        for micro in schedule.micro_batches(step, rank):
-            batch = {k: v.to(dev) for k, v in collate([items[i] for i in micro]).items()}
-            loss_sum, metric_sums = loss_fn(engine, batch)
-            engine.backward(loss_sum * scale)
-            engine.step()
-            for k, v in {"loss": loss_sum, **metric_sums}.items():
-                sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64)) + v.detach().double().cpu()
-            tokens += float(batch["input_ids"].numel())
-        keys = sorted(sums)
-        packed = torch.stack([sums[k] for k in keys] + [tokens])
-        if world_size > 1:
-            dist.all_reduce(packed)
+        batches = ({k: v.to(device()) for k, v in collate([items[i] for i in micro]).items()} for micro in schedule.micro_batches(step, rank))
+        metrics = _optimizer_step(engine, batches, loss_fn, train.accumulation_steps * world_size / norm, world_size, norm)
         elapsed = time.perf_counter() - t0
-        metrics = {k: float(packed[i]) / norm for i, k in enumerate(keys)}
         grad_norm = engine.get_global_grad_norm()
         metrics.update(
             lr=lr,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            tokens_per_s=float(packed[-1]) / elapsed,  # positions processed, padding included
+            tokens_per_s=metrics.pop("tokens") / elapsed,  # positions processed, padding included
             step_time_s=elapsed,
         )
         if evaluate is not None and ((eval_steps and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
-            engine.eval()
-            with torch.no_grad():
-                metrics.update({f"eval_{k}": v for k, v in evaluate().items()})
-            engine.train()
+            metrics.update(_evaluated(engine, evaluate))
         history.append({"step": step + 1, **metrics})
-        if (step + 1) % train.logging_steps == 0 or step + 1 == total_steps:
-            writer.write(step + 1, metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-        if rank == 0:
-            report_progress(step + 1, total_steps, metrics)
-        if train.save_steps and (step + 1) % train.save_steps == 0 and step + 1 < total_steps:
-            save_state(engine, run_dir / STATE_DIR, step + 1, {"torch_rng": torch.get_rng_state()}, train.keep_last, rank)
-        maybe_inject_fault(step + 1, rank)
+        _finish_step(engine, step + 1, total_steps, metrics, writer, train, run_dir, rank)
     bar.close()
     writer.close()
     return history
+
+
+def _finish_step(engine, done: int, total_steps: int, metrics: dict[str, float], writer: MetricsWriter, train: TrainConfig,
+                 run_dir: Path, rank: int) -> None:
+    """Log the step (every ``logging_steps`` and the last), report progress, save the state on its cadence (not
+    after the last step), then the test hook."""
+    if done % train.logging_steps == 0 or done == total_steps:
+        writer.write(done, metrics)
+    if rank == 0:
+        report_progress(done, total_steps, metrics)
+    if train.save_steps and done % train.save_steps == 0 and done < total_steps:
+        save_state(engine, run_dir / STATE_DIR, done, {"torch_rng": torch.get_rng_state()}, train.keep_last, rank)
+    maybe_inject_fault(done, rank)
+
+
+def _resume(engine, run_dir: Path, train: TrainConfig) -> int:
+    """With ``train.resume``: load the committed state (weights, optimizer, scheduler, RNG); the step it is at."""
+    saved = resumable_state(run_dir / STATE_DIR) if train.resume else None
+    if saved is None:
+        return 0
+    _, client = engine.load_checkpoint(str(run_dir / STATE_DIR), tag=saved.tag)
+    torch.set_rng_state(client["torch_rng"])
+    return int(client["step"])
+
+
+def _optimizer_step(engine, batches, loss_fn, scale: float, world_size: int, norm: float) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches: each loss sum's backward scaled by ``scale`` (so that
+    DeepSpeed's averaging gives the step's loss / ``norm``); the metric sums over every rank, divided by ``norm``,
+    and the positions processed (``tokens``, padding included)."""
+    import torch.distributed as dist
+
+    sums: dict[str, torch.Tensor] = {}
+    tokens = torch.zeros((), dtype=torch.float64)
+    for batch in batches:
+        loss_sum, metric_sums = loss_fn(engine, batch)
+        engine.backward(loss_sum * scale)
+        engine.step()
+        for k, v in {"loss": loss_sum, **metric_sums}.items():
+            sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64)) + v.detach().double().cpu()
+        tokens += float(batch["input_ids"].numel())
+    keys = sorted(sums)
+    packed = torch.stack([sums[k] for k in keys] + [tokens])
+    if world_size > 1:
+        dist.all_reduce(packed)
+    return {**{k: float(packed[i]) / norm for i, k in enumerate(keys)}, "tokens": float(packed[-1])}
+
+
+def _evaluated(engine, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """``evaluate()`` in eval mode without gradients, its metrics prefixed ``eval_``."""
+    engine.eval()
+    with torch.no_grad():
+        out = {f"eval_{k}": v for k, v in evaluate().items()}
+    engine.train()
+    return out
 
 
 def gathered(eng: Engine):

@@ -250,7 +250,7 @@ class RLConfig(BaseModel):
     output_root: str = "runs"
 
     @model_validator(mode="after")
-    def _check(self) -> RLConfig:
+    def _check_sampling(self) -> RLConfig:
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.train_batch_size:
             raise ValueError(
@@ -265,6 +265,10 @@ class RLConfig(BaseModel):
                 f"rollout.top_p: got {self.rollout.top_p}, expected 1.0: the learners compute log-probs of the whole "
                 "(tempered) distribution, so top-p samples would be trained on as if drawn from one they were not drawn from"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_reward_source(self) -> RLConfig:
         sources = [k for k in ("func", "url", "model") if getattr(self.reward, k)]
         if len(sources) > 1:
             raise ValueError(f"reward: give one of func, url, model (got {', '.join(sources)})")
@@ -277,6 +281,11 @@ class RLConfig(BaseModel):
                                  "set rollout.async: false")
             if self.eval_grader:
                 raise ValueError("eval_grader: rollout.agent scores the held-out episodes itself; remove eval_grader")
+        return self
+
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> RLConfig:
+        """What the estimator's traits ask of the rest of the config."""
         estimator = ADVANTAGE_ESTIMATORS[self.algo.advantage_estimator]
         if estimator.needs_critic and self.critic.freezing_steps >= self.max_steps:
             raise ValueError(f"critic.freezing_steps: {self.critic.freezing_steps} leaves no step of the {self.max_steps} "

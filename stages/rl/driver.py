@@ -143,16 +143,11 @@ class RLLoop:
         initial, final, last = self.evaluate(), None, {}
         if start == 0 and initial:
             writer.write(0, initial)  # step 0: the starting policy's held-out metrics, where the curves begin
-        # async: the engines sample up to max_staleness steps ahead while the learners train; a weight push
-        # queues behind them on each engine, so step k's batch comes from weights at most max_staleness old
-        ahead = cfg.rollout.max_staleness if cfg.rollout.async_ else 0
         pending: collections.deque = collections.deque()
         for step in tqdm(range(start, cfg.max_steps), desc="rl", disable=not cfg.train.progress_bar):
             timer = PhaseTimer()
             with timer("generate_s"):  # with async: the wait for the batch sampled ahead
-                while len(pending) < 1 + ahead and step + len(pending) < cfg.max_steps:
-                    pending.append(self.sampler.start(step + len(pending)))
-                rollout = self.sampler.collect(step, pending.popleft())
+                rollout = self.sampler.collect(step, self.started(step, pending))
             timer.move(rollout.reward_s, "generate_s", "reward_s")
             last = self.step(step, rollout, timer)
             if step + 1 == cfg.max_steps:  # the final eval, logged with the last step
@@ -160,14 +155,28 @@ class RLLoop:
                 last.update(final)
             elif cfg.eval_steps and (step + 1) % cfg.eval_steps == 0:
                 last.update(self.evaluate())
-            writer.write(step + 1, last)
-            report_progress(step + 1, cfg.max_steps, last)
-            if cfg.train.save_steps and (step + 1) % cfg.train.save_steps == 0 and step + 1 < cfg.max_steps:
-                self.save_state(step + 1)
-            maybe_inject_fault(step + 1, 0, after="RL step")  # test hook: the task dies here
+            self.finish_step(step + 1, last, writer)
         writer.close()
         return {"initial_eval": initial, "final_eval": self.evaluate() if final is None else final,  # None: resumed at the end
                 "last_step": {"step": cfg.max_steps, **last} if last else {}}
+
+    def started(self, step: int, pending: collections.deque):
+        """The step's rollout, started now or earlier. Async: the engines sample up to ``max_staleness`` steps ahead
+        while the learners train; a weight push queues behind them on each engine, so step k's batch comes from
+        weights at most ``max_staleness`` updates old."""
+        ahead = self.cfg.rollout.max_staleness if self.cfg.rollout.async_ else 0
+        while len(pending) < 1 + ahead and step + len(pending) < self.cfg.max_steps:
+            pending.append(self.sampler.start(step + len(pending)))
+        return pending.popleft()
+
+    def finish_step(self, done: int, metrics: dict[str, float], writer) -> None:
+        """Log the step's metrics, save the state on its cadence (not after the last step), then the test hook."""
+        writer.write(done, metrics)
+        report_progress(done, self.cfg.max_steps, metrics)
+        save_steps = self.cfg.train.save_steps
+        if save_steps and done % save_steps == 0 and done < self.cfg.max_steps:
+            self.save_state(done)
+        maybe_inject_fault(done, 0, after="RL step")  # test hook: the task dies here
 
     def step(self, step: int, rollout: Rollout, timer: PhaseTimer) -> dict[str, float]:
         """One step on the rollout collected for it; its metrics."""
