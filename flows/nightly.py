@@ -119,6 +119,33 @@ def check(trajectory: list[float], metrics: dict[str, float], pinned: list[float
     return why
 
 
+def validate_recipe(path: Path, kind: str, output_root: str, pin: bool) -> tuple[list[str], str]:
+    """One recipe's validation: (why it failed, empty when it passed; what was checked). A pipeline is planned, a
+    tiny_model or lora_merge recipe validated, any other stage's run at micro scale and its trajectory compared
+    with the pinned one (``pin``: written as the new pin)."""
+    if kind == "unknown":
+        raise RecipeError(f"{path}: not under recipes/pipelines or recipes/<stage> for a known stage ({sorted(registry.STAGES)})")
+    if kind == "pipeline":
+        return [], f"validated ({len(plan(path).stages)} stages)"
+    if kind in SKIP_STAGES:  # no micro-scale run: a tiny_model recipe has no input, lora_merge needs an adapter
+        load_config(registry.spec(kind).config, [str(path)])
+        return [], "validated"
+    _, validation = read_recipe(path)
+    p = small_plan(path, kind, validation, output_root)  # validates the recipe with its overrides
+    result = run_plan(p, refresh=True)["recipe"]
+    trajectory, metrics = outcome(result, kind)
+    pinned_file = trajectory_path(path)
+    if pin:
+        if trajectory:
+            pinned_file.write_text(json.dumps({"loss_key": LOSS_KEYS.get(kind, "loss"), "trajectory": trajectory}, indent=1) + "\n")
+        return [], f"pinned {len(trajectory)} steps" if trajectory else "nothing to pin"
+    pinned = json.loads(pinned_file.read_text())["trajectory"] if pinned_file.is_file() else None
+    why = check(trajectory, metrics, pinned, validation)
+    if trajectory and pinned is None:
+        why.append(f"no pinned trajectory ({pinned_file.name}); run python -m flows.nightly --pin")
+    return why, f"{len(trajectory)} steps within tolerance" if trajectory else "thresholds met"
+
+
 @flow(name="nightly-recipe-validation", log_prints=True)
 def nightly_recipe_validation(
     recipes_dir: str = "recipes", output_root: str = "runs/nightly", pin: bool = False, only: list[str] | None = None
@@ -134,34 +161,9 @@ def nightly_recipe_validation(
         row = {"recipe": str(path.relative_to(folder.parent)), "kind": kind, "result": "pass", "why": ""}
         rows.append(row)
         try:
-            if kind == "unknown":
-                raise RecipeError(f"{path}: not under recipes/pipelines or recipes/<stage> for a known stage ({sorted(registry.STAGES)})")
-            if kind == "pipeline":
-                p = plan(path)
-                row["why"] = f"validated ({len(p.stages)} stages)"
-                continue
-            if kind in SKIP_STAGES:  # no micro-scale run: a tiny_model recipe has no input, lora_merge needs an adapter
-                load_config(registry.spec(kind).config, [str(path)])
-                row["why"] = "validated"
-                continue
-            _, validation = read_recipe(path)
-            p = small_plan(path, kind, validation, output_root)  # validates the recipe with its overrides
-            result = run_plan(p, refresh=True)["recipe"]
-            trajectory, metrics = outcome(result, kind)
-            pinned_file = trajectory_path(path)
-            if pin:
-                if trajectory:
-                    pinned_file.write_text(json.dumps({"loss_key": LOSS_KEYS.get(kind, "loss"), "trajectory": trajectory}, indent=1) + "\n")
-                row["why"] = f"pinned {len(trajectory)} steps" if trajectory else "nothing to pin"
-                continue
-            pinned = json.loads(pinned_file.read_text())["trajectory"] if pinned_file.is_file() else None
-            why = check(trajectory, metrics, pinned, validation)
-            if trajectory and pinned is None:
-                why.append(f"no pinned trajectory ({pinned_file.name}); run python -m flows.nightly --pin")
-            if why:
-                row.update(result="FAIL", why="; ".join(why))
-            else:
-                row["why"] = f"{len(trajectory)} steps within tolerance" if trajectory else "thresholds met"
+            failures, row["why"] = validate_recipe(path, kind, output_root, pin)
+            if failures:
+                row.update(result="FAIL", why="; ".join(failures))
         except Exception as e:  # one bad recipe fails its row, the others still run
             row.update(result="FAIL", why=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
     create_table_artifact(rows, key="nightly-recipe-validation", description="each recipe: pass/fail and why")

@@ -114,39 +114,52 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
         stype = registry.spec(spec.stage)
         overrides = {**spec.overrides, **((stage_overrides or {}).get(spec.name) or {})}
         config = _load_stage_config(stype, spec, overrides, recipe.output_root, where)
-        known = {inp.name: inp for inp in stype.inputs}
-        for name in spec.inputs:
-            if name not in known:
-                raise RecipeError(f"{where}.inputs.{name}: the {spec.stage} stage takes no input {name!r}; "
-                                  f"its inputs: {sorted(known) or 'none'}")
-        kinds: dict[str, Any] = {}
-        for inp in stype.inputs:
-            given = spec.inputs.get(inp.name)
-            if given is None:
-                if inp.required:
-                    raise RecipeError(f"{where}.inputs.{inp.name}: required (name the earlier stage(s) whose output it takes)")
-                continue
-            names = given if isinstance(given, list) else [given]
-            if not inp.many and isinstance(given, list):
-                raise RecipeError(f"{where}.inputs.{inp.name}: takes one stage name, got a list {given}")
-            if inp.many and len(set(names)) != len(names):
-                raise RecipeError(f"{where}.inputs.{inp.name}: names a stage twice: {given}")
-            for n in names:
-                if n not in produced:
-                    later = n in {s.name for s in recipe.stages}
-                    raise RecipeError(
-                        f"{where}.inputs.{inp.name}: {n!r} is not an earlier stage"
-                        + (" (it runs later; reorder the stages)" if later else "")
-                        + f"; earlier stages: {list(produced) or 'none'}"
-                    )
-                if produced[n] not in inp.accepts:
-                    raise RecipeError(f"{where}.inputs.{inp.name}: stage {n!r} outputs a checkpoint of kind {produced[n]!r}, "
-                                      f"but {inp.name} takes {' or '.join(map(repr, inp.accepts))}")
-            kinds[inp.name] = [produced[n] for n in names] if inp.many else produced[given]
+        kinds = _input_kinds(stype, spec, produced, {s.name for s in recipe.stages}, where)
         output = stype.output_kind(config, kinds)
         out.stages.append(PlannedStage(spec, stype, config, output))
         produced[spec.name] = output
     return out
+
+
+def _input_kinds(stype: StageSpec, spec: StagePlan, produced: dict[str, str], stage_names: set[str], where: str) -> dict[str, Any]:
+    """The output kind(s) wired to each input of a stage, checked against what the input accepts and against the
+    stages before it (``produced``: name -> output kind)."""
+    known = {inp.name: inp for inp in stype.inputs}
+    for name in spec.inputs:
+        if name not in known:
+            raise RecipeError(f"{where}.inputs.{name}: the {spec.stage} stage takes no input {name!r}; "
+                              f"its inputs: {sorted(known) or 'none'}")
+    kinds: dict[str, Any] = {}
+    for inp in stype.inputs:
+        given = spec.inputs.get(inp.name)
+        if given is None:
+            if inp.required:
+                raise RecipeError(f"{where}.inputs.{inp.name}: required (name the earlier stage(s) whose output it takes)")
+            continue
+        kinds[inp.name] = _wired_kind(inp, given, produced, stage_names, f"{where}.inputs.{inp.name}")
+    return kinds
+
+
+def _wired_kind(inp, given: str | list[str], produced: dict[str, str], stage_names: set[str], where: str) -> Any:
+    """The kind wired to ``inp`` by ``given`` (a stage name; a list of them for an input of many)."""
+    names = given if isinstance(given, list) else [given]
+    if not inp.many and isinstance(given, list):
+        raise RecipeError(f"{where}: takes one stage name, got a list {given}")
+    if inp.many and len(set(names)) != len(names):
+        raise RecipeError(f"{where}: names a stage twice: {given}")
+    for n in names:
+        _check_wire(inp, n, produced, n in stage_names, where)
+    return [produced[n] for n in names] if inp.many else produced[given]
+
+
+def _check_wire(inp, name: str, produced: dict[str, str], later: bool, where: str) -> None:
+    """Stage ``name`` ran before and outputs a kind the input ``inp`` takes (``later``: it is in the pipeline)."""
+    if name not in produced:
+        raise RecipeError(f"{where}: {name!r} is not an earlier stage" + (" (it runs later; reorder the stages)" if later else "")
+                          + f"; earlier stages: {list(produced) or 'none'}")
+    if produced[name] not in inp.accepts:
+        raise RecipeError(f"{where}: stage {name!r} outputs a checkpoint of kind {produced[name]!r}, "
+                          f"but {inp.name} takes {' or '.join(map(repr, inp.accepts))}")
 
 
 def _resolve(path: str) -> Path:

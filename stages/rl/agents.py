@@ -156,52 +156,75 @@ def run_episodes(agent: Agent, generate: Callable[[list[list[int]], int, int], l
     ``generate(prompt_ids, n, seed)`` samples ``n`` completions per context (the engines). The first turn samples
     a group's ``n`` actions from the group's prompt in one request (as single-turn rollouts do); later turns one
     action per live episode, each from its own context."""
-    tokens = ObservationTokens(tokenizer)
-    trajectories: list[list[Trajectory]] = []
-    prompts: list[list[int]] = []
+    trajectories, prompts = [], []
     for r, row in enumerate(rows):
-        group = []
-        for j in range(n):
-            where = f"rollout.agent {agent.ref}: reset on row {r + 1}"
-            try:
-                answer = agent.reset(row[prompt_key], row.get(label_key))
-            except Exception as e:
-                raise AgentError(f"{where} raised {type(e).__name__}: {e}") from e
-            if not isinstance(answer, tuple) or len(answer) != 2:
-                raise AgentError(f"{where}: returned {answer!r:.80}; expected (state, observation)")
-            state, obs = answer
-            if obs is not None and not isinstance(obs, str):
-                raise AgentError(f"{where}: the first observation is {obs!r:.80}; expected the prompt's text or None")
-            if j == 0:
-                prompts.append(render(row[prompt_key] if obs is None else obs))
-            group.append(Trajectory(list(prompts[-1]), state))
+        prompt_ids, group = start_group(agent, row, n, render, prompt_key, label_key, f"rollout.agent {agent.ref}: reset on row {r + 1}")
+        prompts.append(prompt_ids)
         trajectories.append(group)
     flat = [t for g in trajectories for t in g]
+    step = Stepper(agent, tokenizer, max_turns, max_new_tokens, max_model_len)
     for turn in range(max_turns):
-        if turn == 0:
-            actions = [a for g in generate(prompts, n, seed) for a in g]
-            live = flat
-        else:
-            live = [t for t in flat if not t.done]
-            if not live:
-                break
-            actions = [g[0] for g in generate([t.context for t in live], 1, seed + 7_919 * turn)]
-        for t, action in zip(live, actions, strict=True):
-            t.act(action)
-            where = f"rollout.agent {agent.ref}: step {turn + 1}"
-            try:
-                answer = agent.step(t.state, tokenizer.decode(action.token_ids, skip_special_tokens=True))
-            except Exception as e:
-                raise AgentError(f"{where} raised {type(e).__name__}: {e}") from e
-            obs, reward, done, info = check_step_answer(answer, where)
-            t.reward += reward
-            t.info = info or t.info
-            if done or turn + 1 == max_turns or obs is None:
-                t.done = True
-                continue
-            ids = tokens(obs, where)
-            if len(t.context) + len(ids) + max_new_tokens > max_model_len:  # no room for another whole action
-                t.done = True
-                continue
-            t.observe(ids)
+        live = [t for t in flat if not t.done]
+        if not live:
+            break
+        for t, action in zip(live, actions_of(generate, live, prompts, n, seed, turn), strict=True):
+            step(t, action, turn)
     return [[t.episode(tokenizer, with_logprobs) for t in g] for g in trajectories]
+
+
+def actions_of(generate, live: list[Trajectory], prompts: list[list[int]], n: int, seed: int, turn: int) -> list[Completion]:
+    """The live episodes' next actions: at the first turn a group's ``n`` from its prompt in one request, later one
+    per episode from its own context."""
+    if turn == 0:
+        return [a for g in generate(prompts, n, seed) for a in g]
+    return [g[0] for g in generate([t.context for t in live], 1, seed + 7_919 * turn)]
+
+
+def start_group(agent: Agent, row: dict, n: int, render: Callable[[str], list[int]], prompt_key: str, label_key: str,
+                where: str) -> tuple[list[int], list[Trajectory]]:
+    """``n`` new episodes on ``row``, all from the prompt the first one's reset gives (the row's, or its observation)."""
+    states = [reset(agent, row, prompt_key, label_key, where) for _ in range(n)]
+    obs = states[0][1]
+    prompt_ids = render(row[prompt_key] if obs is None else obs)
+    return prompt_ids, [Trajectory(list(prompt_ids), state) for state, _ in states]
+
+
+def reset(agent: Agent, row: dict, prompt_key: str, label_key: str, where: str) -> tuple[Any, Any]:
+    """A new episode on ``row``: the agent's (state, first observation: the prompt's text or None)."""
+    try:
+        answer = agent.reset(row[prompt_key], row.get(label_key))
+    except Exception as e:
+        raise AgentError(f"{where} raised {type(e).__name__}: {e}") from e
+    if not isinstance(answer, tuple) or len(answer) != 2:
+        raise AgentError(f"{where}: returned {answer!r:.80}; expected (state, observation)")
+    if answer[1] is not None and not isinstance(answer[1], str):
+        raise AgentError(f"{where}: the first observation is {answer[1]!r:.80}; expected the prompt's text or None")
+    return answer
+
+
+class Stepper:
+    """A turn of an episode: the model's action appended, the agent's answer taken, its observation appended
+    unless the episode ends (done, the last turn, no observation, or no room left for another whole action)."""
+
+    def __init__(self, agent: Agent, tokenizer, max_turns: int, max_new_tokens: int, max_model_len: int):
+        self.agent, self.tok, self.tokens = agent, tokenizer, ObservationTokens(tokenizer)
+        self.max_turns, self.max_new_tokens, self.max_model_len = max_turns, max_new_tokens, max_model_len
+
+    def __call__(self, t: Trajectory, action: Completion, turn: int) -> None:
+        t.act(action)
+        where = f"rollout.agent {self.agent.ref}: step {turn + 1}"
+        try:
+            answer = self.agent.step(t.state, self.tok.decode(action.token_ids, skip_special_tokens=True))
+        except Exception as e:
+            raise AgentError(f"{where} raised {type(e).__name__}: {e}") from e
+        obs, reward, done, info = check_step_answer(answer, where)
+        t.reward += reward
+        t.info = info or t.info
+        if done or turn + 1 == self.max_turns or obs is None:
+            t.done = True
+            return
+        ids = self.tokens(obs, where)
+        if len(t.context) + len(ids) + self.max_new_tokens > self.max_model_len:  # no room for another whole action
+            t.done = True
+            return
+        t.observe(ids)
