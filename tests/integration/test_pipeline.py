@@ -74,11 +74,11 @@ def project_copy(root: Path, monkeypatch) -> Path:
     is the real one: what is tested is what decides whether a stage reruns)."""
     import shutil
 
-    from stages.common import stage
+    from stages.common import identity
 
     for pkg in ("checkpoints", "datasets_prep", "flows", "stages"):
         shutil.copytree(ROOT / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(stage, "PROJECT_ROOT", root)
+    monkeypatch.setattr(identity, "PROJECT_ROOT", root)  # where code_version reads the source files
     return root
 
 
