@@ -37,9 +37,11 @@ def full_rlhf(
     overrides: dict[str, dict[str, Any]] | None = None,
     refresh: list[str] | None = None,
     output_root: str | None = None,
+    cluster_address: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``pipeline``; ``overrides`` maps stage name -> {dotted key: value}; ``refresh`` reruns named stages."""
-    p = plan(pipeline, output_root=output_root, stage_overrides=overrides)
+    """Run ``pipeline``; ``overrides`` maps stage name -> {dotted key: value}; ``refresh`` reruns named stages;
+    ``cluster_address``: every training stage on the existing Ray cluster there."""
+    p = plan(pipeline, output_root=output_root, stage_overrides=overrides, cluster_address=cluster_address)
     refresh = list(refresh or [])
     unknown = set(refresh) - {s.spec.name for s in p.stages}
     if unknown:
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-root", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
                     help="override a stage's config, e.g. --set sft.train.max_steps=20")
+    ap.add_argument("--cluster", default=None, metavar="ADDRESS",
+                    help="run every training stage on the existing Ray cluster at ADDRESS (auto, host:port, ray://host:port)")
     args = ap.parse_args(argv)
     overrides: dict[str, dict[str, Any]] = {}
     for item in args.set:
@@ -159,12 +163,12 @@ def main(argv: list[str] | None = None) -> None:
         overrides.setdefault(stage, {})[field] = yaml.safe_load(raw)
     os.chdir(PROJECT_ROOT)
     # the whole recipe (every stage's config, inputs and files) is checked before Prefect's server starts
-    plan(args.pipeline, output_root=args.output_root, stage_overrides=overrides or None)
+    plan(args.pipeline, output_root=args.output_root, stage_overrides=overrides or None, cluster_address=args.cluster)
     # Prefect's temporary server (and anything else this process starts) ends with it, even on SIGKILL
     from stages.common.reaper import start as start_reaper
 
     start_reaper(os.getpid())
-    summary = full_rlhf(args.pipeline, overrides or None, [s for s in args.refresh.split(",") if s], args.output_root)
+    summary = full_rlhf(args.pipeline, overrides or None, [s for s in args.refresh.split(",") if s], args.output_root, args.cluster)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in summary.items()}, indent=2))
 
 

@@ -60,6 +60,9 @@ class PipelineRecipe(BaseModel):
 
     name: str
     output_root: str = "runs"
+    # every training stage's ``cluster`` section (e.g. {address: "ray-head:6379"}: the whole pipeline on an existing
+    # Ray cluster); a stage's own overrides still win. Not part of any run's identity
+    cluster: dict[str, Any] = {}
     stages: list[StagePlan] = Field(min_length=1)
 
 
@@ -84,17 +87,21 @@ class Plan:
     stages: list[PlannedStage] = field(default_factory=list)
 
 
-def plan(source: str | Path, output_root: str | None = None, stage_overrides: dict[str, dict[str, Any]] | None = None) -> Plan:
-    """Read and check a pipeline recipe and every stage recipe in it; nothing runs."""
+def plan(source: str | Path, output_root: str | None = None, stage_overrides: dict[str, dict[str, Any]] | None = None,
+         cluster_address: str | None = None) -> Plan:
+    """Read and check a pipeline recipe and every stage recipe in it; nothing runs. ``cluster_address``: every
+    training stage on the Ray cluster there (the recipe's ``cluster.address``)."""
     source = str(source)
-    return plan_data(read_yaml(_resolve(source)), source, output_root, stage_overrides)
+    return plan_data(read_yaml(_resolve(source)), source, output_root, stage_overrides, cluster_address)
 
 
 def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
-              stage_overrides: dict[str, dict[str, Any]] | None = None) -> Plan:
+              stage_overrides: dict[str, dict[str, Any]] | None = None, cluster_address: str | None = None) -> Plan:
     """:func:`plan` of a pipeline recipe already read (``source`` names it in errors)."""
     if output_root is not None:
         data["output_root"] = output_root
+    if cluster_address:
+        data["cluster"] = {**(data.get("cluster") or {}), "address": cluster_address}
     try:
         recipe = PipelineRecipe.model_validate(data)
     except ValidationError as e:
@@ -113,7 +120,7 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
             raise RecipeError(f"{where}.name: {spec.name!r} is used by an earlier stage; stage names must be unique")
         stype = registry.spec(spec.stage)
         overrides = {**spec.overrides, **((stage_overrides or {}).get(spec.name) or {})}
-        config = _load_stage_config(stype, spec, overrides, recipe.output_root, where)
+        config = _load_stage_config(stype, spec, overrides, recipe, where)
         kinds = _input_kinds(stype, spec, produced, {s.name for s in recipe.stages}, where)
         output = stype.output_kind(config, kinds)
         out.stages.append(PlannedStage(spec, stype, config, output))
@@ -167,7 +174,7 @@ def _resolve(path: str) -> Path:
     return p if p.is_absolute() or p.exists() else PROJECT_ROOT / p
 
 
-def _load_stage_config(stype: StageSpec, spec: StagePlan, overrides: dict[str, Any], output_root: str, where: str) -> BaseModel:
+def _load_stage_config(stype: StageSpec, spec: StagePlan, overrides: dict[str, Any], recipe: PipelineRecipe, where: str) -> BaseModel:
     cls = stype.config
     data: dict[str, Any] = {}
     src = f"{where} (defaults of {cls.__module__}:{cls.__name__})"
@@ -177,7 +184,9 @@ def _load_stage_config(stype: StageSpec, spec: StagePlan, overrides: dict[str, A
         except RecipeError as e:
             raise RecipeError(f"{where}.recipe: {e}") from None
         src = f"{where} recipe {spec.recipe}"
-    data["output_root"] = output_root  # the pipeline decides where its runs go (an override may still say otherwise)
+    data["output_root"] = recipe.output_root  # the pipeline decides where its runs go (an override may still say otherwise)
+    if recipe.cluster and "cluster" in cls.model_fields:  # the pipeline's cluster, under the stage recipe's own settings
+        data["cluster"] = {**recipe.cluster, **(data.get("cluster") or {})}
     try:
         for key, value in overrides.items():
             set_dotted(data, key, value)

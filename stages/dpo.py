@@ -35,7 +35,7 @@ from datasets_prep.preference import (
     prepare_pairs,
     sequence_sums,
 )
-from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
+from stages.common.config import ClusterConfig, LoggingConfig, LoraConfig, TrainConfig
 from stages.common.logprobs import token_logps
 from stages.common.preference_losses import PolicyPair, dpo_loss
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
@@ -62,6 +62,7 @@ class DPOConfig(BaseModel):
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()
     logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
+    cluster: ClusterConfig = ClusterConfig()  # cluster.address: run the ranks on an existing Ray cluster
     output_root: str = "runs"
 
     @model_validator(mode="after")

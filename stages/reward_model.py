@@ -32,7 +32,7 @@ from datasets_prep.preference import (
     pair_items_from_json,
     prepare_pairs,
 )
-from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
+from stages.common.config import ClusterConfig, LoggingConfig, LoraConfig, TrainConfig
 from stages.common.preference_losses import RewardPair, reward_loss
 from stages.common.scoring import score_padded, sequence_scores  # noqa: F401  (score_padded: this stage's scorer)
 from stages.common.stage import (
@@ -61,6 +61,7 @@ class RewardModelConfig(BaseModel):
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()
     logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
+    cluster: ClusterConfig = ClusterConfig()  # cluster.address: run the ranks on an existing Ray cluster
     output_root: str = "runs"
 
 

@@ -17,7 +17,7 @@ from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
 from datasets_prep.packing import PackedRow, collate, loss_tokens, pack
 from datasets_prep.sft import Example, prepare_sft
-from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
+from stages.common.config import ClusterConfig, LoggingConfig, LoraConfig, TrainConfig
 from stages.common.logprobs import masked_sum, token_logps
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
 from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
@@ -38,6 +38,7 @@ class SFTConfig(BaseModel):
     train: TrainConfig = TrainConfig()
     lora: LoraConfig = LoraConfig()
     logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
+    cluster: ClusterConfig = ClusterConfig()  # cluster.address: run the ranks on an existing Ray cluster
     output_root: str = "runs"
 
 

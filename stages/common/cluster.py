@@ -36,7 +36,7 @@ class CallTimeout(RuntimeError):
     message names it and the deadline's setting."""
 
 
-def ray_get(refs, what: str, timeout_s: float, setting: str = "ray.call_timeout_s"):
+def ray_get(refs, what: str, timeout_s: float, setting: str = "ray.call_timeout_s", stage: str = "RL stage"):
     """``ray.get`` with a deadline (the config field ``setting``): ``what`` (``role.method``) and the rank of
     every call still pending are named in the error (the actors of a list are in rank order)."""
     import ray
@@ -47,7 +47,7 @@ def ray_get(refs, what: str, timeout_s: float, setting: str = "ray.call_timeout_
     if pending:
         ranks = [i for i, r in enumerate(refs_list) if r in pending]
         role, _, method = what.partition(".")
-        raise CallTimeout(f"RL stage: {role} rank(s) {ranks} of {len(refs_list)} gave no answer to {method or what} within "
+        raise CallTimeout(f"{stage}: {role} rank(s) {ranks} of {len(refs_list)} gave no answer to {method or what} within "
                           f"{timeout_s:g} s ({setting}); stopping the stage and its Ray cluster")
     out = ray.get(refs_list)
     return out if many else out[0]
@@ -91,13 +91,21 @@ def private_cluster_env() -> None:
     process's environment only, inherited by Ray's processes and never written or logged), and every
     Ray server bound to 127.0.0.1 (Ray's single-machine mode: the node address is loopback, so the GCS,
     raylet, object manager, agents and workers listen there and nowhere else)."""
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-    if "ray" in sys.modules:  # imported earlier in this process: Ray caches both settings at import
+    _ray_settings(single_machine=True)
+
+
+def _ray_settings(single_machine: bool) -> None:
+    """Ray's node-address mode (single machine: loopback) and its authentication as the environment says now; Ray
+    caches both at import, so a process that imported it earlier re-reads them."""
+    if single_machine:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if "ray" in sys.modules:
         from ray._private import ray_constants
         from ray._raylet import AuthenticationTokenLoader, Config
 
-        ray_constants.ENABLE_RAY_CLUSTER = False
+        ray_constants.ENABLE_RAY_CLUSTER = not single_machine
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
 
@@ -173,9 +181,10 @@ def _end_local_cluster(before: set[int], tmp: str, reaper) -> None:
 
 
 @contextmanager
-def ray_cluster(address: str | None, num_cpus: int) -> Iterator[str | None]:
-    """A private local Ray cluster of ``num_cpus`` CPUs for this stage run, or the one at ``address``; always
-    shut down. Yields the private cluster's temp folder (None at an address)."""
+def ray_cluster(address: str | None, num_cpus: int, ship_code: bool = True, connect_timeout_s: float = 60.0) -> Iterator[str | None]:
+    """A private local Ray cluster of ``num_cpus`` CPUs for this stage run, or the user's at ``address`` (joined
+    with :func:`join`, left as it was); the private one is always shut down. Yields its temp folder (None at an
+    address)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     with _restored_env(_PRIVATE_CLUSTER_ENV), _unwind_on_sigterm():  # the token dies with its cluster
         if not address:
@@ -185,10 +194,10 @@ def ray_cluster(address: str | None, num_cpus: int) -> Iterator[str | None]:
 
         if address:
             try:
-                ray.init(address=address, runtime_env={"env_vars": actor_env()}, log_to_driver=True)
+                join(address, ship_code, connect_timeout_s)
                 yield None
             finally:
-                ray.shutdown()
+                ray.shutdown()  # the driver leaves; the user's cluster keeps running
             return
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         remove_stale_cluster_folders()
@@ -209,47 +218,210 @@ class Placement:
 
     CPU: one 1-CPU bundle per trainer rank; engines, critic ranks and any helper take no CPU reservation (they
     run while the trainer ranks wait). GPU: one GPU per trainer rank and per critic rank, and per engine
-    ``tp`` GPUs of their own, or with ``colocate`` shares of the trainer ranks' GPUs.
+    ``tp`` GPUs of their own, or with ``colocate`` shares of the trainer ranks' GPUs. On a user's cluster
+    (``remote``) the engines have bundles of their own on CPU too (a CPU each), so that they may be placed on other
+    nodes than the learners (``strategy``: Ray's placement strategy).
     """
 
-    def __init__(self, ranks: int, engines: int, tp: int, critics: int, colocate: bool, gpu: bool, deadlines: Deadlines):
+    def __init__(self, ranks: int, engines: int, tp: int, critics: int, colocate: bool, gpu: bool, deadlines: Deadlines,
+                 strategy: str = "PACK", remote: bool = False):
         from ray.util.placement_group import placement_group
 
         self.ranks, self.engines, self.tp, self.critics, self.colocate, self.gpu = ranks, engines, tp, critics, colocate, gpu
-        self.own_bundles = gpu and not colocate
+        self.own_engines = not colocate and (gpu or remote)
+        self.own_critics = gpu and not colocate
         bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(ranks)]
-        if self.own_bundles:
-            bundles += [{"GPU": tp} for _ in range(engines)] + [{"GPU": 1} for _ in range(critics)]
-        self.pg = placement_group(bundles, strategy="PACK")
+        if self.own_engines:
+            bundles += [{"GPU": tp} if gpu else {"CPU": 1} for _ in range(engines)]
+        if self.own_critics:
+            bundles += [{"GPU": 1} for _ in range(critics)]
+        self.bundles = len(bundles)
+        self.pg = placement_group(bundles, strategy=strategy)
         deadlines.startup(self.pg.ready(), "placement group")
 
     def _at(self, bundle: int) -> dict:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)}
+        return bundle_at(self.pg, bundle)
 
     def rank(self, r: int) -> dict:
         share = 0.5 if not self.critics else 0.25
         return {"num_cpus": 1, "num_gpus": (share if self.colocate else 1) if self.gpu else 0, **self._at(r)}
 
     def engine(self, i: int) -> dict:
-        if self.own_bundles:
-            return {"num_cpus": 0, "num_gpus": self.tp, **self._at(self.ranks + i)}
+        if self.own_engines:
+            return {"num_cpus": 0 if self.gpu else 1, "num_gpus": self.tp if self.gpu else 0, **self._at(self.ranks + i)}
         return {"num_cpus": 0, "num_gpus": (0.5 / max(1, self.engines // self.ranks)) if self.gpu else 0, **self._at(i % self.ranks)}
 
     def critic(self, r: int) -> dict:
-        if self.own_bundles:
+        if self.own_critics:
             return {"num_cpus": 0, "num_gpus": 1, **self._at(self.ranks + self.engines + r)}
         return {"num_cpus": 0, "num_gpus": 0.25 if self.gpu else 0, **self._at(r % self.ranks)}
 
 
 def start_group(cls, n: int, opts: Callable[[int], dict], env: dict[str, str], deadlines: Deadlines,
-                *setup_args: Any) -> tuple[list, list]:
-    """``n`` ranks of ``cls`` (``cls(rank, n)``, with ``address()`` and ``setup(*setup_args, master)``) as Ray
-    actors forming one torch.distributed group: the actors, in rank order, and their pending ``setup`` calls
-    (wait with :meth:`Deadlines.startup`; other actors can start meanwhile)."""
+                *setup_args: Any, method: str = "setup") -> tuple[list, list, list[tuple[str, str]]]:
+    """``n`` ranks of ``cls`` (``cls(rank, n)``, with ``address()``, ``node()`` and ``setup(*setup_args, master)``)
+    as Ray actors forming one torch.distributed group: the actors, in rank order, their pending ``setup`` calls
+    (``method``: another method of that signature; wait with :meth:`Deadlines.startup`; other actors can start
+    meanwhile) and the node (id, address) each runs on. The group meets at rank 0's node address
+    (:func:`rank_address`)."""
     import ray
 
+    name = cls.__name__.lower()
     actors = [ray.remote(cls).options(runtime_env={"env_vars": env}, **opts(r)).remote(r, n) for r in range(n)]
-    master = deadlines.startup(actors[0].address.remote(), f"{cls.__name__.lower()}.address")
-    return actors, [a.setup.remote(*setup_args, master) for a in actors]
+    nodes = deadlines.startup([a.node.remote() for a in actors], f"{name}.node")
+    master = deadlines.startup(actors[0].address.remote(), f"{name}.address")
+    return actors, [getattr(a, method).remote(*setup_args, master) for a in actors], nodes
+
+
+class GroupRank:
+    """A rank of a torch.distributed group of Ray actors (:func:`start_group`): where the group meets (rank 0's
+    node address), the node it runs on, and the group's environment for ``trainer.init_distributed``."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def address(self) -> tuple[str, int]:
+        return rank_address()
+
+    def node(self) -> tuple[str, str]:
+        return node_of_actor()
+
+    def group_env(self, master: tuple[str, int]) -> None:
+        # under Ray an actor sees only the GPU(s) it was given (CUDA_VISIBLE_DEVICES), as device 0 upward: its local
+        # device is 0 whatever its rank (set_device(rank) would name a device it cannot see)
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+
+
+def node_of_actor() -> tuple[str, str]:
+    """Inside an actor: its node's id and address (what ``placement.json`` records)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
+def write_placement(path: Path, roles: dict[str, list[tuple[str, str]]]) -> None:
+    """``path`` (``RUN_DIR/placement.json``): for each role, the node id and address of each of its actors, in order."""
+    import json
+
+    path.write_text(json.dumps({role: [{"node_id": n, "address": ip} for n, ip in nodes] for role, nodes in roles.items()}, indent=2))
+
+
+def rank_address() -> tuple[str, int]:
+    """Inside an actor: its node's address and a free port there (where a group's rank 0 is met)."""
+    import ray
+
+    from stages.common.launcher import free_port
+
+    host = ray.util.get_node_ip_address()
+    return host, free_port(host)
+
+
+class ClusterError(RuntimeError):
+    """The cluster at ``cluster.address`` can't run the stage: unreachable, no room for its ranks, or a node that
+    does not see the stage's files."""
+
+
+# the project's packages a rank imports: shipped with the job (runtime_env py_modules) unless cluster.ship_code=false
+SHIPPED_PACKAGES = ("stages", "checkpoints", "datasets_prep")
+
+
+def _check_reachable(address: str, timeout_s: float) -> str | None:
+    """The host of ``host:port`` / ``ray://host:port`` once something accepts a connection there (``ray.init`` to an
+    unreachable address retries without end); None for ``auto``."""
+    import socket
+
+    if address == "auto":
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 10.0)).close()
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cluster.address: {address!r}: nothing accepts a connection there ({e}); expected the address "
+                           "of a running Ray cluster's head: auto, host:port (its GCS port, 6379 by default) or "
+                           "ray://host:port (Ray Client, 10001)") from None
+    return host.strip("[]")
+
+
+def join(address: str, ship_code: bool = True, connect_timeout_s: float = 60.0) -> None:
+    """Join the user's Ray cluster at ``address`` as a driver: with its own authentication (``RAY_AUTH_TOKEN`` or
+    ``RAY_AUTH_TOKEN_PATH`` from the environment; never logged), the project's sources shipped with the job unless
+    ``ship_code`` is false (then the nodes run the same image), and, for a cluster on 127.0.0.1 (several Ray nodes
+    on one machine), in Ray's single-machine mode so that this driver's address is loopback too."""
+    import ray
+
+    host = _check_reachable(address, connect_timeout_s)
+    _ray_settings(single_machine=host in ("127.0.0.1", "localhost", "::1"))
+    runtime_env: dict[str, Any] = {"env_vars": actor_env()}
+    if ship_code:
+        runtime_env.update(py_modules=[str(PROJECT_ROOT / m) for m in SHIPPED_PACKAGES], excludes=["__pycache__", "*.pyc"])
+    ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+
+
+def uses_gpu(requested: bool | None) -> bool:
+    """GPU ranks or CPU ranks, as the cluster's resources say (a driver on a CPU head places GPU ranks on GPU
+    workers); ``requested`` (``cluster.gpu``) overrides, and asking for GPUs on a cluster without any is an error."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if requested and not gpus:
+        raise ClusterError("cluster.gpu: true, but the cluster has no GPU resources (ray.cluster_resources())")
+    return bool(gpus) if requested is None else requested
+
+
+def bundle_at(pg, bundle: int) -> dict:
+    """The options that put a task or an actor into bundle ``bundle`` of placement group ``pg``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)}
+
+
+def _sees(marker: str, token: str, paths: list[str]) -> tuple[str, str, list[str]]:
+    """On a node: its id, its address, and which of the marker (with ``token`` inside) and ``paths`` it can't read.
+    Test hook: RLHF_FAULT_HIDE_PATHS (``os.pathsep``-separated prefixes) makes this node miss those paths."""
+    import ray
+
+    hidden = [h for h in os.environ.get("RLHF_FAULT_HIDE_PATHS", "").split(os.pathsep) if h]
+
+    def seen(path: str) -> bool:
+        return not any(path.startswith(h) for h in hidden) and os.path.exists(path)
+
+    missing = [] if seen(marker) and Path(marker).read_text() == token else [str(Path(marker).parent)]
+    missing += [p for p in paths if not seen(p)]
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), missing
+
+
+def check_storage(pg, bundles: int, folder: Path, paths: list[str], timeout_s: float) -> None:
+    """Every node of the placement group sees ``folder`` (where the stage writes: a marker written here is read
+    there) and ``paths`` (its inputs) at the same paths; else a :class:`ClusterError` names the node and the path."""
+    import ray
+
+    token = secrets.token_hex(16)
+    marker = folder / f".cluster-check-{token[:8]}"
+    marker.write_text(token)
+    try:
+        refs = [ray.remote(_sees).options(num_cpus=0, **bundle_at(pg, b)).remote(str(marker), token, paths) for b in range(bundles)]
+        answers = ray_get(refs, "storage check", timeout_s, "cluster.connect_timeout_s", stage="cluster")
+    finally:
+        marker.unlink(missing_ok=True)
+    for node, ip, missing in answers:
+        if missing:
+            raise ClusterError(f"cluster: node {node} ({ip}) can't see {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                               + ", which this stage writes or reads on every node it runs on: running on a cluster needs a "
+                               "filesystem every node sees at the same path (a shared volume), for the output root and the inputs")
+
+
+def cluster_placement(bundles: list[dict], strategy: str, timeout_s: float):
+    """One placement group of ``bundles``, ready within ``timeout_s`` (``cluster.connect_timeout_s``) or a
+    :class:`ClusterError` that says what did not fit."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles, strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise ClusterError(f"cluster: no room for {len(bundles)} bundles {bundles} placed {strategy} within {timeout_s:g} s "
+                           f"(cluster.connect_timeout_s); the cluster has {ray.available_resources()} available "
+                           "(STRICT_SPREAD needs a node per bundle)")
+    return pg

@@ -100,3 +100,28 @@ class LoggingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     wandb: WandbConfig | None = None
+
+
+class ClusterConfig(BaseModel):
+    """Where a training stage's ranks run (not part of the run's identity: the same run on this machine or on a
+    cluster gives the same result).
+
+    ``address`` unset: this machine (SFT, RM, DPO: local rank processes; RL: its private loopback Ray cluster).
+    Set (``auto``, ``host:port`` of the head's GCS, ``ray://host:port``): the stage joins that existing Ray cluster
+    with the cluster's own authentication (``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` in the environment), runs
+    its ranks as Ray actors placed by one placement group, and leaves the cluster running. Every node must see the
+    output root and the inputs at the same paths (a shared filesystem): checked before training."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = None
+    # how the ranks' bundles spread over nodes (Ray placement strategies): PACK fills a node first; SPREAD spreads
+    # where it can; STRICT_SPREAD puts every bundle on its own node (one rank per node)
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # None: GPU ranks when the cluster has GPUs (its resources decide, not the driver's machine)
+    gpu: bool | None = None
+    # ship the project's sources (stages, checkpoints, datasets_prep) with the job (Ray runtime_env py_modules);
+    # false: every node runs the same image with the project installed
+    ship_code: bool = True
+    # joining the cluster and placing the ranks (the placement group becomes ready) must take at most this long
+    connect_timeout_s: float = Field(60.0, gt=0)

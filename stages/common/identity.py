@@ -26,7 +26,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # settings that change how a run is watched or continued, not what it computes
 NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps", "train.keep_last", "train.timeout_s", "logging",
-                   "timeout_s", "ray.call_timeout_s", "ray.startup_timeout_s", "reward.timeout_s", "reward.retries",
+                   "cluster", "timeout_s", "ray.call_timeout_s", "ray.startup_timeout_s", "reward.timeout_s", "reward.retries",
                    "verify_sync", "sync_tolerance", "sync_min_prob")
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = ".lock"

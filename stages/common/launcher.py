@@ -16,9 +16,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from stages.common import worker  # each rank's entry point (imported so it is in every stage's code version)
+from stages.common.config import ClusterConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,9 +33,9 @@ class StageTimeout(StageFailed):
     """A stage's ranks did not finish within its deadline; the message names the ranks still running."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -125,8 +127,9 @@ def _wait(procs: list[subprocess.Popen], target: str, run_dir: Path, timeout_s: 
 
 
 def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout_s: float | None = None,
-           env: dict[str, str] | None = None) -> dict:
-    """Run ``target`` (``module:function(job, rank, world_size) -> dict``) on ``world_size`` ranks.
+           env: dict[str, str] | None = None, cluster: ClusterConfig | None = None, inputs: Sequence[str] = ()) -> dict:
+    """Run ``target`` (``module:function(job, rank, world_size) -> dict``) on ``world_size`` ranks: local processes,
+    or with ``cluster.address`` Ray actors on that cluster (``inputs``: the paths every node must see).
 
     ``env`` adds variables to the ranks' environment.
     Returns rank 0's result. Raises :class:`StageFailed` with the failing rank's traceback.
@@ -137,6 +140,18 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
         stale.unlink(missing_ok=True)
     job_path = run_dir / "job.json"
     job_path.write_text(json.dumps(job, indent=2))
+    if cluster is not None and cluster.address:
+        from stages.common.cluster_ranks import run_ranks
+
+        run_ranks(target, job_path, run_dir, world_size, cluster, list(inputs), timeout_s, env)
+    else:
+        _run_local(target, job_path, world_size, run_dir, timeout_s, env)
+    result = run_dir / "result.json"
+    return json.loads(result.read_text()) if result.is_file() else {}
+
+
+def _run_local(target: str, job_path: Path, world_size: int, run_dir: Path, timeout_s: float | None,
+               env: dict[str, str] | None) -> None:
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs = []
@@ -157,5 +172,3 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
     finally:
         for log in logs:
             log.close()
-    result = run_dir / "result.json"
-    return json.loads(result.read_text()) if result.is_file() else {}

@@ -55,7 +55,9 @@ def train_and_commit(
             "run_dir": str(run_dir),
             **job,
         }
-        result = launch(f"stages.{run.stage}:train_rank", full_job, config.train.world_size, run_dir, timeout_s=config.train.timeout_s)
+        inputs = [parent.path, *([base.path] if base else []), *(v for k, v in job.items() if k.endswith("_path") and v)]
+        result = launch(f"stages.{run.stage}:train_rank", full_job, config.train.world_size, run_dir, timeout_s=config.train.timeout_s,
+                        cluster=getattr(config, "cluster", None), inputs=inputs)
         return commit(
             tmp,
             dest,

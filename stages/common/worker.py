@@ -1,4 +1,5 @@
-"""Entry point of one rank: ``python -m stages.common.worker module:function JOB.json RUN_DIR``.
+"""Entry point of one rank: ``python -m stages.common.worker module:function JOB.json RUN_DIR`` (a local rank), or
+:func:`run_rank` inside a Ray actor (a rank on a cluster, ``stages.common.cluster.run_ranks``).
 
 Calls ``function(job, rank, world_size)``; rank 0's return value goes to ``RUN_DIR/result.json``;
 any exception's traceback goes to ``RUN_DIR/rank{r}.error`` for the launcher to report.
@@ -14,9 +15,8 @@ import traceback
 from pathlib import Path
 
 
-def main() -> None:
-    target, job_path, run_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def run_rank(target: str, job_path: Path, run_dir: Path, rank: int, world_size: int) -> None:
+    """One rank's work; its traceback is kept in ``RUN_DIR/rank{r}.error`` and raised again."""
     try:
         job = json.loads(job_path.read_text())
         result = pkgutil.resolve_name(target)(job, rank, world_size)
@@ -26,6 +26,14 @@ def main() -> None:
             tmp.replace(run_dir / "result.json")
     except BaseException:
         (run_dir / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def main() -> None:
+    target, job_path, run_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    try:
+        run_rank(target, job_path, run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    except BaseException:
         sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)  # skip atexit/destructors that can hang on a broken process group

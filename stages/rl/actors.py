@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from stages.common.cluster import Deadlines, Placement, actor_env, start_group
+from stages.common.cluster import (
+    Deadlines,
+    Placement,
+    actor_env,
+    check_storage,
+    start_group,
+    uses_gpu,
+    write_placement,
+)
 from stages.rl.config import RLConfig
 from stages.rl.experience import Experience, Forward, Samples, StepPlan, updates_of
 from stages.rl.rollout import EnginePool
@@ -108,8 +117,10 @@ def _sum_dicts(dicts) -> dict[str, float]:
 
 
 def start_actors(cfg: RLConfig, plan: StepPlan, policy_path: str, critic_path: str | None, reward_model_path: str | None,
-                 deadlines: Deadlines) -> tuple[Trainers, EnginePool, object | None]:
-    """Every actor of the run, started and set up: the trainer groups, the engines, the reward model's scorer."""
+                 deadlines: Deadlines, run_dir: Path) -> tuple[Trainers, EnginePool, object | None]:
+    """Every actor of the run, started and set up: the trainer groups, the engines, the reward model's scorer. On a
+    user's cluster (``cluster.address``) every node placed is first checked to see ``run_dir`` and the inputs;
+    ``run_dir/placement.json`` says where each learner, critic rank and engine runs."""
     import ray
 
     from stages.common.scoring import RewardModelScorer
@@ -118,8 +129,12 @@ def start_actors(cfg: RLConfig, plan: StepPlan, policy_path: str, critic_path: s
     from stages.rl.rollout import RolloutEngine
 
     n, ro = cfg.train.world_size, cfg.rollout
-    gpu = torch.cuda.is_available()
-    place = Placement(n, ro.num_engines, ro.tensor_parallel_size, n if plan.values else 0, cfg.ray.colocate_all, gpu, deadlines)
+    gpu, remote = uses_gpu(cfg.cluster.gpu), bool(cfg.cluster.address)
+    place = Placement(n, ro.num_engines, ro.tensor_parallel_size, n if plan.values else 0, cfg.ray.colocate_all, gpu, deadlines,
+                      cfg.cluster.strategy, remote)
+    if remote:
+        inputs = [p for p in (policy_path, critic_path, reward_model_path) if p]
+        check_storage(place.pg, place.bundles, run_dir, inputs, cfg.cluster.connect_timeout_s)
     # learners, critic and engines take turns, so each learner gets its share of the cores, the engines every core
     cores = os.cpu_count() or 1
     learner_env, engine_env = actor_env(threads=cores // n), actor_env(threads=cores)
@@ -134,15 +149,17 @@ def start_actors(cfg: RLConfig, plan: StepPlan, policy_path: str, critic_path: s
 
     engines_wait = gpu and cfg.ray.colocate_all
     engines = [] if engines_wait else start_engines()
-    learners, setups = start_group(Learner, n, place.rank, learner_env, deadlines, config, policy_path,
+    learners, setups, learner_nodes = start_group(Learner, n, place.rank, learner_env, deadlines, config, policy_path,
                                    (cfg.max_steps - frozen) * updates)
-    critics, critic_setups = start_group(Critic, n, place.critic, learner_env, deadlines, config, critic_path,
-                                         cfg.max_steps * updates) if plan.values else ([], [])
+    critics, critic_setups, critic_nodes = start_group(Critic, n, place.critic, learner_env, deadlines, config, critic_path,
+                                                       cfg.max_steps * updates) if plan.values else ([], [], [])
     deadlines.startup(setups, "learner.setup")
     deadlines.startup(critic_setups, "critic.setup")
     if engines_wait:
         engines = start_engines()
     deadlines.startup([e.ready.remote() for e in engines], "engine.ready")
+    write_placement(run_dir / "placement.json", {"learners": learner_nodes, "critics": critic_nodes,
+                                                  "engines": deadlines.startup([e.node.remote() for e in engines], "engine.node")})
     scorer = None
     if reward_model_path:  # the reward model is served from its own actor, sharing the CPUs like vLLM
         scorer = (ray.remote(num_cpus=0)(RewardModelScorer).options(runtime_env={"env_vars": engine_env})

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import urllib.parse
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from datasets_prep.loading import DataConfig
-from stages.common.config import LoggingConfig, LoraConfig, TrainConfig
+from stages.common.config import ClusterConfig, LoggingConfig, LoraConfig, TrainConfig
 from stages.rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
@@ -197,8 +197,7 @@ class CriticConfig(BaseModel):
 class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    address: str | None = None  # None: start a private local cluster for this task
-    num_cpus: int | None = Field(None, ge=1)
+    num_cpus: int | None = Field(None, ge=1)  # the private local cluster's CPUs (default: this machine's)
     # GPU: vLLM engines share the learners' GPUs (fractional GPU per actor) instead of their own.
     # On CPU, engines never reserve CPUs (they run while the learners wait), so this changes nothing.
     colocate_all: bool = False
@@ -208,6 +207,14 @@ class RayConfig(BaseModel):
     # the deadline of starting up: the placement group, every actor's model load and DeepSpeed set-up, the
     # engines' start (a large model's load can take far longer than any step's call)
     startup_timeout_s: float = Field(3600.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "address" in data:
+            raise ValueError(f"ray.address: {data['address']!r}: the cluster's address is cluster.address now (one "
+                             "setting for every training stage)")
+        return data
 
 
 class RLTrainConfig(TrainConfig):
@@ -239,6 +246,7 @@ class RLConfig(BaseModel):
     lora: LoraConfig = LoraConfig()
     critic: CriticConfig = CriticConfig()
     ray: RayConfig = RayConfig()
+    cluster: ClusterConfig = ClusterConfig()  # cluster.address: join an existing Ray cluster instead of a private one
     logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
     max_steps: int = Field(10, ge=1)  # RL steps (rollout + update + sync)
     log_rollouts_every: int = Field(0, ge=0)  # write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never

@@ -73,10 +73,11 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     if len(rows) < config.rollout.rollout_batch_size:
         raise ValueError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
     cpus = config.ray.num_cpus or max(os.cpu_count() or 1, config.train.world_size)
-    with run.claimed() as run_dir, staging(run_dir / "checkpoint") as tmp, ray_cluster(config.ray.address, cpus):
+    with run.claimed() as run_dir, staging(run_dir / "checkpoint") as tmp, ray_cluster(
+            config.cluster.address, cpus, config.cluster.ship_code, config.cluster.connect_timeout_s):
         deadlines = Deadlines(config.ray.call_timeout_s, config.ray.startup_timeout_s)
         trainers, engines, scorer = start_actors(config, plan, policy.path, critic_init.path if critic_init else None,
-                                                 reward_model.path if reward_model else None, deadlines)
+                                                 reward_model.path if reward_model else None, deadlines, run_dir)
         rewards = EpisodeReward() if agent else ModelReward(scorer, deadlines.call) if scorer else \
             TextReward(text, tokenizer, config.data.label_key)
         sampler = Sampler(config, tokenizer, engines, rows, rewards, plan.rollout_logp, agent)

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from stages.common.cluster import GroupRank
 from stages.common.logprobs import token_logps
 from stages.rl.algorithms import (
     IS_CORRECTIONS,
@@ -54,28 +55,13 @@ def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
     return out
 
 
-class Rank:
+class Rank(GroupRank):
     """What every DeepSpeed rank of the RL stage does alike: join its group, save and load its state."""
-
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-
-    def address(self) -> tuple[str, int]:
-        import ray
-
-        from stages.common.launcher import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
 
     def _join(self, config: dict, master: tuple[str, int]) -> None:
         from stages.common import trainer
 
-        # under Ray an actor sees only the GPU(s) it was given (CUDA_VISIBLE_DEVICES), as device 0 upward:
-        # its local device is 0 whatever its rank (set_device(rank) would name a device it cannot see)
-        os.environ.update(
-            RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(self.world_size),
-            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
-        )
+        self.group_env(master)
         self.cfg = RLConfig.model_validate(config)
         self.plan = StepPlan.of(self.cfg)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

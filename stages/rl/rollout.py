@@ -47,6 +47,11 @@ class RolloutEngine:
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return sequence_logprobs(self.llm, sequences)
 
+    def node(self) -> tuple[str, str]:
+        from stages.common.cluster import node_of_actor
+
+        return node_of_actor()
+
     def ready(self) -> bool:
         return True
 

@@ -16,18 +16,26 @@ from stages.rl.rewards import RewardError
 from tests.conftest import metrics, wandb_history
 
 # one Ray cluster at a time: these tests look for Ray processes machine-wide (make test: --dist loadfile keeps
-# this file on one pytest-xdist worker)
+# this file on one pytest-xdist worker; test_cluster.py's multi-node cluster, on another, is told apart by its parent)
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def ray_processes() -> list[str]:
+    """Ray's processes on this machine, less those of test_cluster.py's multi-node cluster (another worker's)."""
     names = []
     for p in psutil.process_iter(["name", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if any(s in cmd for s in ("raylet", "gcs_server", "ray::", "rlray-")):
+        if any(s in cmd for s in ("raylet", "gcs_server", "ray::", "rlray-")) and not _of_local_cluster(p):
             names.append(cmd[:120])
     return names
+
+
+def _of_local_cluster(p: psutil.Process) -> bool:
+    try:
+        return any("stages.common.local_cluster" in " ".join(q.cmdline()) for q in p.parents())
+    except psutil.Error:
+        return False
 
 
 RECIPE = ROOT / "recipes/rl/tiny.yaml"
