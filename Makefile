@@ -20,7 +20,7 @@ PORT ?= 4200
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: setup run serve server deploy worker nightly test test-unit lint bench bench-rl-gain bench-pipeline clean
+.PHONY: setup run serve server deploy worker nightly test test-unit lint bench bench-rl-gain bench-pipeline bench-cluster clean
 
 setup: $(STAMP)
 
@@ -81,6 +81,10 @@ bench-rl-gain: setup
 # make run's cold and cached wall times (fresh output root and Prefect home)
 bench-pipeline: setup
 	$(PY) -m bench.pipeline_run
+
+# the SFT stage on one machine vs on a two-node local Ray cluster (BEFORE=<another checkout> adds its one-machine row)
+bench-cluster: setup
+	$(PY) -m bench.cluster $(if $(BEFORE),before=$(BEFORE))
 
 clean:
 	rm -rf runs .cache .prefect

@@ -59,9 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     steps, rounds = int(args.get("steps", 30)), int(args.get("rounds", 2))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "HF_HUB_OFFLINE": "1"}
     env.pop("RAY_AUTH_TOKEN_PATH", None)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))  # one JIT build for every row
     variants: list[tuple[str, Path, list[str]]] = []
     if "before" in args:
-        variants.append((f"one machine, before ({Path(args['before']).name})", Path(args["before"]), []))
+        commit = subprocess.run(["git", "-C", args["before"], "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        variants.append((f"one machine, before ({commit or args['before']})", Path(args["before"]), []))
     variants.append(("one machine (local ranks)", ROOT, []))
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"steps": steps, "rounds": rounds, "cpu": _cpu(), "rows": rows}, indent=2))
+    OUT.write_text(json.dumps({"steps": steps, "rounds": rounds, "cpu": _cpu(), "ranks": 2, "recipe": "recipes/sft/tiny.yaml",
+                               "rows": rows}, indent=2))
     print(f"wrote {OUT}")
 
 

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
+from stages.common.config import ClusterConfig
 from stages.common.graders import grade, load_grader
 from stages.common.launcher import launch
 from stages.common.plots import y_scale
@@ -60,6 +61,8 @@ class EvalConfig(BaseModel):
     reward_model: str | None = None  # from the CLI; flows pass references
     reference: str | None = None
     output_root: str = "runs"
+    # cluster.address: each generation and the scoring run as a Ray actor on an existing cluster (a GPU each there)
+    cluster: ClusterConfig = ClusterConfig()
 
 
 class EvalReport(BaseModel):
@@ -120,12 +123,14 @@ def run_eval(
         generated = {}
         for label, ref in models.items():
             job = {"config": cfg, "model": ref.path, "rows": rows}
-            generated[label] = launch("stages.eval:generate_rank", job, 1, folder / f"generate-{ref.digest[:16]}", timeout_s=config.timeout_s)
+            generated[label] = launch("stages.eval:generate_rank", job, 1, folder / f"generate-{ref.digest[:16]}", timeout_s=config.timeout_s,
+                                      cluster=config.cluster, inputs=[ref.path])
         scores = {}
         if reward_model is not None or reference is not None:
             job = {"config": cfg, "generated": generated,
                    "reward_model": reward_model.path if reward_model else None, "reference": reference.path if reference else None}
-            scores = launch("stages.eval:score_rank", job, 1, folder / "score", timeout_s=config.timeout_s)
+            scores = launch("stages.eval:score_rank", job, 1, folder / "score", timeout_s=config.timeout_s, cluster=config.cluster,
+                            inputs=[r.path for r in (reward_model, reference) if r is not None])
         metrics = {label: _row(generated[label], scores.get(label, {})) for label in models}
         return write_report(folder, config, metrics)
 

@@ -185,7 +185,7 @@ def test_an_output_root_one_node_cannot_see_is_refused_before_training(cluster, 
     assert not list(cluster.hidden.glob("*/metrics.jsonl")) and not list(cluster.hidden.glob("*/checkpoint"))
 
 
-def test_the_pipeline_on_the_cluster_then_all_cached(cluster, task_files, tmp_path):
+def test_the_pipeline_with_eval_on_the_cluster_then_all_cached(cluster, task_files, tmp_path):
     stages = [
         {"name": "base", "stage": "tiny_model", "overrides": {"preset": "micro"}},
         {"name": "sft", "stage": "sft", "recipe": "recipes/sft/tiny.yaml", "inputs": {"base": "base"},
@@ -197,6 +197,9 @@ def test_the_pipeline_on_the_cluster_then_all_cached(cluster, task_files, tmp_pa
          "overrides": {"data.paths": [str(task_files["rl_prompts"])], "max_steps": 2, "eval_steps": 0, "eval_data": None,
                        "rollout.rollout_batch_size": 8, "rollout.n_samples_per_prompt": 4, "train.train_batch_size": 32,
                        "train.micro_train_batch_size": 16, "train.progress_bar": False}},
+        {"name": "eval", "stage": "eval", "recipe": "recipes/eval/tiny.yaml", "inputs": {"models": ["sft", "rl"], "reference": "sft"},
+         "overrides": {"data.paths": [str(task_files["eval"])], "data.max_samples": 16, "num_samples": 2, "pass_k": 2,
+                       "max_new_tokens": 8}},
     ]
     recipe = tmp_path / "pipeline.yaml"
     recipe.write_text(yaml.safe_dump({"name": "on-cluster", "output_root": str(tmp_path / "runs"), "stages": stages}))
@@ -213,8 +216,13 @@ def test_the_pipeline_on_the_cluster_then_all_cached(cluster, task_files, tmp_pa
         (run_dir,) = (tmp_path / "runs").glob(f"{stage}-*")
         assert (run_dir / "placement.json").is_file(), stage
     assert len(set(_nodes(next((tmp_path / "runs").glob("sft-*")), "ranks"))) == 2
+    (eval_dir,) = (tmp_path / "runs").glob("eval-*")
+    # the generation (one per distinct checkpoint: RL's 2 steps from this 2-step SFT model earned no reward, so no
+    # update: its weights are SFT's) and the scoring ran on the cluster
+    assert list(eval_dir.glob("generate-*/placement.json")) and (eval_dir / "score" / "placement.json").is_file()
+    assert json.loads(next(eval_dir.rglob("metrics.json")).read_text())["sft"]["kl_to_reference"] == pytest.approx(0.0, abs=1e-4)
     second = run()
-    for name in ("base", "sft", "dpo", "rl"):
+    for name in ("base", "sft", "dpo", "rl", "eval"):
         assert f"Task run '{name}' - Finished in state Cached" in second, second[-3000:]
 
 
