@@ -6,7 +6,8 @@ same recipe in one run: start-up seconds (the stage's wall time less its steps) 
 commit before a change) — the single-machine default's time before and after, in the same run. Rows run in turns,
 ``rounds`` times; each row's figures are the median over its rounds.
 
-Run: ``python -m bench.cluster [steps=30] [rounds=2] [before=/path/to/other/checkout]``; writes
+Run: ``python -m bench.cluster [steps=30] [rounds=2] [before=/path/to/other/checkout] [cluster=0]`` (``cluster=0``: the
+one-machine rows only); writes
 ``bench/results/cluster.json``.
 """
 
@@ -67,18 +68,21 @@ def main(argv: list[str] | None = None) -> None:
     variants.append(("one machine (local ranks)", ROOT, []))
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cluster, address = _start_cluster(Path(tmp), env)
+        cluster, address = _start_cluster(Path(tmp), env) if args.get("cluster", "1") != "0" else (None, None)
         try:
-            variants.append(("two-node Ray cluster (one rank per node)", ROOT,
-                             [f"cluster.address={address}", "cluster.strategy=STRICT_SPREAD"]))
+            if cluster is not None:
+                variants.append(("two-node Ray cluster (one rank per node)", ROOT,
+                                 [f"cluster.address={address}", "cluster.strategy=STRICT_SPREAD"]))
             for r in range(rounds):
                 for i, (name, project, extra) in enumerate(variants):
                     root = Path(tmp) / f"r{r}-{i}"
                     results.setdefault(name, []).append(run_stage(name, project, root, steps, extra, env))
         finally:
-            cluster.stdin.close()
-            cluster.wait(timeout=120)
-    rows = [{"variant": name, **{k: round(statistics.median(x[k] for x in runs), 4) for k in runs[0]}} for name, runs in results.items()]
+            if cluster is not None:
+                cluster.stdin.close()
+                cluster.wait(timeout=120)
+    rows = [{"variant": name, **{k: round(statistics.median(x[k] for x in runs), 4) for k in runs[0]},
+             "startup_s_per_round": [round(x["startup_s"], 2) for x in runs]} for name, runs in results.items()]
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
                 add(line.split()[1])
     finally:
         cluster.shutdown()
+        if args.temp_dir is None:
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 if __name__ == "__main__":
