@@ -2,6 +2,7 @@
 on 127.0.0.1 (``stages.common.local_cluster``: a head with no CPUs and two 1-CPU worker nodes, token auth) stands in
 for several machines. The stages join it as a user's driver would and leave it running."""
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -227,7 +228,8 @@ def test_the_pipeline_with_eval_on_the_cluster_then_all_cached(cluster, task_fil
 
 
 def test_a_node_lost_mid_sft_fails_the_stage_naming_it_and_the_rerun_resumes(cluster, task_files, micro_model, local_sft, tmp_path):
-    """Rank 1 holds after step 2 (its state committed at steps 1 and 2) while its node's raylet is killed: the stage
+    """Rank 1 holds after step 2 (its state committed at steps 1 and 2) while its node goes (its raylet and every process
+    under it SIGKILLed, as when the machine dies; a hung worker outlives its raylet alone): the stage
     fails within its deadline naming that node; the head and the other node stay up; on a replacement node the
     rerun (train.resume=true) resumes from step 2 and ends with the uninterrupted run's losses."""
     args = [sys.executable, "-m", "stages.sft", str(ROOT / "recipes/sft/tiny.yaml"), "base=" + micro_model.path,
@@ -247,8 +249,13 @@ def test_a_node_lost_mid_sft_fails_the_stage_naming_it_and_the_rerun_resumes(clu
     (run_dir,) = tmp_path.glob("sft-*")
     victim = _nodes(run_dir, "ranks")[1]
     node = next(n for n in cluster.nodes if n["node_id"] == victim)
+    raylet = psutil.Process(node["raylet_pid"])
+    machine = [raylet, *raylet.children(recursive=True)]  # the node's raylet, agents and workers: the machine goes
     killed = time.time()
-    os.kill(node["raylet_pid"], signal.SIGKILL)
+    for p in machine:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(machine, timeout=10)
     stage.wait(timeout=180)
     out = log.read_text()
     assert stage.returncode != 0
