@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 PORT ?= 4200
 # two pytest-xdist workers, a test file per worker at a time (test_rl.py's tests look for Ray processes
-# machine-wide, so its tests share one worker); TEST_WORKERS=0 runs serially. A fresh clone on 2 cores (AVX2):
+# machine-wide, so its tests share one worker); TEST_WORKERS=0 runs serially. A fresh clone on 2 cores:
 # 15-25 min of tests with 2 workers, by CPU (README: Tests)
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
