@@ -28,33 +28,27 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    paths: list[str]
-    dataset_probs: list[float] | None = None
-    split: str = "train"
-    subset: str | None = None  # a hub dataset's configuration name (load_dataset's `name`, e.g. "main" for openai/gsm8k)
-    max_samples: int | None = Field(None, ge=1)
-    # Field names in the rows (OpenRLHF's --input_key etc.). For SFT, `input_key` may hold a list of
-    # chat messages (multi-turn; loss on assistant turns only) and `output_key` may then be null.
-    input_key: str = "input"
-    output_key: str | None = "output"
-    # preference pairs: null takes the prompt from the pair itself (the messages chosen and rejected share,
-    # or for transcripts the common prefix up to the last `prompt_marker`, as TRL's extract_prompt)
-    prompt_key: str | None = "prompt"
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
-    label_key: str = "label"
-    margin_key: str | None = None
-    # the margin as score_chosen - score_rejected from two score columns, e.g. [score_chosen, score_rejected]
-    score_keys: tuple[str, str] | None = None
-    prompt_marker: str = "Assistant:"
-    apply_chat_template: bool = True
-    # Used instead of the chat template when apply_chat_template is false, e.g. "User: {}\nAssistant: ".
-    input_template: str | None = None
-    max_len: int = Field(512, ge=2)
-    overflow: Literal["truncate", "drop"] = "drop"
-    packing: bool = False
-    pretrain_mode: bool = False
-    seed: int = 0
+    paths: list[str] = Field(description="local files (JSONL, JSON, Parquet, CSV), save_to_disk folders or hub dataset ids; one or several (relative paths resolve against the working directory)")
+    dataset_probs: list[float] | None = Field(None, description="mix several paths with these sampling weights (OpenRLHF's --dataset_probs); None: concatenate")
+    split: str = Field("train", description="the split of a hub dataset or save_to_disk folder")
+    subset: str | None = Field(None, description="a hub dataset's configuration name (load_dataset's `name`, e.g. \"main\" for openai/gsm8k)")
+    max_samples: int | None = Field(None, ge=1, description="keep at most this many rows (after mixing)")
+    input_key: str = Field("input", description="Field names in the rows (OpenRLHF's --input_key etc.). For SFT, `input_key` may hold a list of chat messages (multi-turn; loss on assistant turns only) and `output_key` may then be null.")
+    output_key: str | None = Field("output", description="the response field (SFT); null when input_key holds chat messages")
+    prompt_key: str | None = Field("prompt", description="preference pairs: null takes the prompt from the pair itself (the messages chosen and rejected share, or for transcripts the common prefix up to the last `prompt_marker`, as TRL's extract_prompt)")
+    chosen_key: str = Field("chosen", description="preference pairs: the preferred response (text or chat messages)")
+    rejected_key: str = Field("rejected", description="preference pairs: the other response")
+    label_key: str = Field("label", description="RL and eval prompts: the reference answer a grader or reward function checks against")
+    margin_key: str | None = Field(None, description="preference pairs: a per-pair margin column for the reward model's margin loss")
+    score_keys: tuple[str, str] | None = Field(None, description="the margin as score_chosen - score_rejected from two score columns, e.g. [score_chosen, score_rejected]")
+    prompt_marker: str = Field("Assistant:", description="transcripts without a prompt column: the text that ends the prompt (the last occurrence in the shared prefix)")
+    apply_chat_template: bool = Field(True, description="wrap prompts and responses in the tokenizer's chat template; false: input_template (or the text as it is) for data that carries its own role markers")
+    input_template: str | None = Field(None, description="Used instead of the chat template when apply_chat_template is false, e.g. \"User: {}\\nAssistant: \".")
+    max_len: int = Field(512, ge=2, description="the longest tokenized example (prompt + response)")
+    overflow: Literal["truncate", "drop"] = Field("drop", description="longer examples: drop them (counted) or truncate them to max_len")
+    packing: bool = Field(False, description="pack several examples into one row (position ids restart; no cross-example attention)")
+    pretrain_mode: bool = Field(False, description="SFT: plain text, loss on every token (OpenRLHF's --pretrain_mode)")
+    seed: int = Field(0, description="shuffling and mixing")
 
     @field_validator("paths", mode="before")
     @classmethod
@@ -166,6 +160,21 @@ def _cause(e: BaseException) -> BaseException:
     while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
         e = e.__cause__ or e.__context__
     return e
+
+
+def looks_local(path: str) -> bool:
+    """Whether ``path`` names a local file or folder (else it may be a hub dataset id)."""
+    return Path(path).suffix.lower() in _FILE_BUILDERS or path.startswith((".", "/", "~"))
+
+
+def check_path(path: str, field: str) -> None:
+    """A data path that names a local file must exist (checked before any stage process starts); the error says
+    where a relative path was looked for."""
+    p = Path(path).expanduser()
+    if p.exists() or not looks_local(path):
+        return
+    where = "" if p.is_absolute() else f"; relative paths resolve against the working directory {Path.cwd()}"
+    raise DataError(f"{field}: {path}: file not found (looked for {p.resolve()}{where})")
 
 
 def load_source(path: str, split: str = "train", subset: str | None = None):

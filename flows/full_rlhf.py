@@ -15,6 +15,7 @@ Run: ``python -m flows.full_rlhf [recipes/pipelines/tiny.yaml] [--refresh sft,rl
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,14 @@ from prefect.artifacts import create_markdown_artifact
 from checkpoints import CheckpointRef, remembered_hashes
 from flows.curves import artifact_key, data_uri, prefect_key
 from flows.pipeline import PROJECT_ROOT, Plan, plan
-from flows.tasks import cached_result_usable, run_stage
+from flows.tasks import StageError, cached_result_usable, run_stage
+from stages.common.cli import DEBUG_ENV, did_you_mean, one_line_errors, take_debug
+from stages.common.recipe import RecipeError
 from stages.common.stage import StageRun
 from stages.eval import EvalReport
 
 DEFAULT_PIPELINE = "recipes/pipelines/tiny.yaml"
+PROG = "python -m flows.full_rlhf"
 
 
 @flow(name="full-rlhf", log_prints=True, persist_result=True)
@@ -43,9 +47,7 @@ def full_rlhf(
     ``cluster_address``: every training stage on the existing Ray cluster there."""
     p = plan(pipeline, output_root=output_root, stage_overrides=overrides, cluster_address=cluster_address)
     refresh = list(refresh or [])
-    unknown = set(refresh) - {s.spec.name for s in p.stages}
-    if unknown:
-        raise ValueError(f"refresh: no stages named {sorted(unknown)} in {pipeline} (its stages: {[s.spec.name for s in p.stages]})")
+    check_refresh(p, refresh, pipeline)
     runs: dict[str, StageRun] = {}
     outputs = run_plan(p, refresh=set(refresh), runs=runs)
     summary: dict[str, Any] = {}
@@ -58,6 +60,14 @@ def full_rlhf(
             summary[name] = {"path": out.path, "kind": out.kind, "digest": out.digest}
     _publish_summary(pipeline, outputs, runs)
     return summary
+
+
+def check_refresh(p: Plan, refresh: list[str], pipeline: str) -> None:
+    """Every name in ``refresh`` is a stage of the plan (RecipeError with a "did you mean" otherwise)."""
+    names = [s.spec.name for s in p.stages]
+    for name in refresh:
+        if name not in names:
+            raise RecipeError(f"--refresh: no stage named {name!r} in {pipeline}{did_you_mean(name, names)} (its stages: {names})")
 
 
 def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun] | None = None) -> dict[str, CheckpointRef | EvalReport]:
@@ -153,22 +163,34 @@ def main(argv: list[str] | None = None) -> None:
                     help="override a stage's config, e.g. --set sft.train.max_steps=20")
     ap.add_argument("--cluster", default=None, metavar="ADDRESS",
                     help="run every training stage on the existing Ray cluster at ADDRESS (auto, host:port, ray://host:port)")
+    ap.add_argument("--debug", action="store_true", help=f"show tracebacks (also {DEBUG_ENV}=1)")
     args = ap.parse_args(argv)
-    overrides: dict[str, dict[str, Any]] = {}
-    for item in args.set:
-        key, _, raw = item.partition("=")
-        stage, _, field = key.partition(".")
-        if not field or "=" not in item:
-            raise SystemExit(f"--set {item!r}: expected STAGE.KEY=VALUE")
-        overrides.setdefault(stage, {})[field] = yaml.safe_load(raw)
-    os.chdir(PROJECT_ROOT)
-    # the whole recipe (every stage's config, inputs and files) is checked before Prefect's server starts
-    plan(args.pipeline, output_root=args.output_root, stage_overrides=overrides or None, cluster_address=args.cluster)
+    debug = args.debug or take_debug([])
+    refresh = [s for s in args.refresh.split(",") if s]
+    with one_line_errors(PROG, debug):
+        overrides: dict[str, dict[str, Any]] = {}
+        for item in args.set:
+            key, _, raw = item.partition("=")
+            stage, _, field = key.partition(".")
+            if not field or "=" not in item:
+                raise RecipeError(f"--set {item!r}: expected STAGE.KEY=VALUE (e.g. --set sft.train.max_steps=20)")
+            overrides.setdefault(stage, {})[field] = yaml.safe_load(raw)
+        os.chdir(PROJECT_ROOT)
+        # the whole recipe (every stage's config, inputs and files) is checked before Prefect's server starts
+        p = plan(args.pipeline, output_root=args.output_root, stage_overrides=overrides or None, cluster_address=args.cluster)
+        check_refresh(p, refresh, args.pipeline)
     # Prefect's temporary server (and anything else this process starts) ends with it, even on SIGKILL
     from stages.common.reaper import start as start_reaper
 
     start_reaper(os.getpid())
-    summary = full_rlhf(args.pipeline, overrides or None, [s for s in args.refresh.split(",") if s], args.output_root, args.cluster)
+    try:
+        summary = full_rlhf(args.pipeline, overrides or None, refresh, args.output_root, args.cluster)
+    except Exception as e:
+        if debug:
+            raise
+        # the stage's traceback is in the log above, once; the last line says which stage failed and why
+        print(f"{PROG}: {e if isinstance(e, StageError) else f'{type(e).__name__}: {e}'}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in summary.items()}, indent=2))
 
 

@@ -185,9 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-root", default="runs/nightly")
     ap.add_argument("--pin", action="store_true", help="write each recipe's trajectory as the new reference")
     ap.add_argument("--only", action="append", default=None, help="only recipes whose path contains this (repeatable)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks (also RLHF_DEBUG=1)")
     args = ap.parse_args(argv)
     os.chdir(PROJECT_ROOT)
-    nightly_recipe_validation(args.recipes, args.output_root, args.pin, args.only)
+    from stages.common.cli import one_line_errors, take_debug
+
+    with one_line_errors("python -m flows.nightly", args.debug or take_debug([])):
+        nightly_recipe_validation(args.recipes, args.output_root, args.pin, args.only)
 
 
 if __name__ == "__main__":

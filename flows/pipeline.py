@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stages import registry
+from stages.common.cli import did_you_mean
 from stages.common.recipe import (
     RecipeError,
     format_validation_error,
@@ -45,25 +46,21 @@ class StagePlan(BaseModel):
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
     stage: str
-    recipe: str | None = None  # the stage recipe (YAML); None: the config's defaults
-    overrides: dict[str, Any] = {}  # dotted keys -> values, applied over the recipe
-    inputs: dict[str, str | list[str]] = {}  # input name -> earlier stage name(s)
+    recipe: str | None = Field(None, description="the stage recipe (YAML); None: the config's defaults")
+    overrides: dict[str, Any] = Field({}, description="dotted keys -> values, applied over the recipe")
+    inputs: dict[str, str | list[str]] = Field({}, description="input name -> earlier stage name(s)")
     retries: int = Field(0, ge=0)
     retry_delay_seconds: float = Field(10.0, ge=0)
-    # deadline of one attempt of the stage (its subprocess and everything it started); past it the process
-    # tree is ended and the attempt fails (then retried if retries are left). None: no deadline
-    timeout_s: float | None = Field(None, gt=0)
+    timeout_s: float | None = Field(None, gt=0, description="deadline of one attempt of the stage (its subprocess and everything it started); past it the process tree is ended and the attempt fails (then retried if retries are left). None: no deadline")
 
 
 class PipelineRecipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    output_root: str = "runs"
-    # every training stage's ``cluster`` section (e.g. {address: "ray-head:6379"}: the whole pipeline on an existing
-    # Ray cluster); a stage's own overrides still win. Not part of any run's identity
-    cluster: dict[str, Any] = {}
-    stages: list[StagePlan] = Field(min_length=1)
+    name: str = Field(description="the pipeline's name (the deployment's, e.g. full-rlhf/tiny)")
+    output_root: str = Field("runs", description="every stage's run folders go under it (overrides the stage recipes' output_root)")
+    cluster: dict[str, Any] = Field({}, description="every training stage's ``cluster`` section (e.g. {address: \"ray-head:6379\"}: the whole pipeline on an existing Ray cluster); a stage's own overrides still win. Not part of any run's identity")
+    stages: list[StagePlan] = Field(min_length=1, description="the stages in the order they run")
 
 
 @dataclass
@@ -105,11 +102,13 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
     try:
         recipe = PipelineRecipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(format_validation_error(e, source)) from None
+        raise RecipeError(format_validation_error(e, source, PipelineRecipe)) from None
     unknown = set(stage_overrides or {}) - {s.name for s in recipe.stages}
     if unknown:
-        raise RecipeError(f"{source}: overrides for stages {sorted(unknown)} that the pipeline does not have "
-                          f"(its stages: {[s.name for s in recipe.stages]})")
+        names = [s.name for s in recipe.stages]
+        hint = "".join(did_you_mean(u, names) for u in sorted(unknown))
+        raise RecipeError(f"{source}: overrides for stages {sorted(unknown)} that the pipeline does not have{hint} "
+                          f"(its stages: {names})")
     out = Plan(recipe)
     produced: dict[str, str] = {}  # stage name -> output kind
     for i, spec in enumerate(recipe.stages):
@@ -121,11 +120,24 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
         stype = registry.spec(spec.stage)
         overrides = {**spec.overrides, **((stage_overrides or {}).get(spec.name) or {})}
         config = _load_stage_config(stype, spec, overrides, recipe, where)
+        _preflight(stype, config, where)
         kinds = _input_kinds(stype, spec, produced, {s.name for s in recipe.stages}, where)
         output = stype.output_kind(config, kinds)
         out.stages.append(PlannedStage(spec, stype, config, output))
         produced[spec.name] = output
     return out
+
+
+def _preflight(stype: StageSpec, config: BaseModel, where: str) -> None:
+    """The stage's checks of its data files, code and servers (:meth:`StageSpec.preflight`), naming the stage."""
+    from stages.common.cli import is_user_error
+
+    try:
+        stype.preflight(config)
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        raise RecipeError(f"{where}: {e}") from None
 
 
 def _input_kinds(stype: StageSpec, spec: StagePlan, produced: dict[str, str], stage_names: set[str], where: str) -> dict[str, Any]:

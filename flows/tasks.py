@@ -30,10 +30,20 @@ from prefect.context import TaskRunContext
 from checkpoints import CheckpointError, CheckpointRef, verify
 from flows.curves import Curves
 from stages import registry
-from stages.common.launcher import launch
+from stages.common.launcher import StageFailed, launch
 from stages.common.progress import read_progress
-from stages.common.stage import StageRun
+from stages.common.stage import StageRun, unchanged_inputs
 from stages.eval import EvalReport
+
+
+class StageError(RuntimeError):
+    """A stage of the flow failed: one line naming the stage, the error and where its traceback is."""
+
+
+def last_line(text: str) -> str:
+    """The line that says what went wrong (a traceback's last non-empty line)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else text
 
 
 class StageCachePolicy(CachePolicy):
@@ -109,6 +119,10 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     try:
         out = launch("flows.tasks:stage_job", job, 1, folder, timeout_s=timeout_s,
                      env={"RLHF_PROGRESS_FILE": str(progress_file.resolve())})
+    except StageFailed as e:  # the stage's traceback once, in this task's log; the error itself is one line
+        print(f"[{name}] {run.stage} failed:\n{e}")
+        raise StageError(f"stage {name!r} ({run.stage}) failed: {last_line(str(e))} (its traceback is in the log above "
+                         f"and in {folder}/rank0.error)") from None
     finally:
         done.set()
         watcher.join()
@@ -116,6 +130,9 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     publish(100.0, read_progress(progress_file)[1])
     result = spec.result.model_validate(out)
     print(f"[{name}] {run.stage} -> {result.markdown if isinstance(result, EvalReport) else result.path}")
+    for unchanged in unchanged_inputs(result, inputs):  # in the task's log, where the flow's user looks
+        print(f"[{name}] WARNING: the output checkpoint has the same content digest as its input {unchanged!r} "
+              f"({result.digest[:16]}): this run did not change the weights")
     return result
 
 

@@ -19,10 +19,10 @@ Run: ``python -m stages.dpo recipes/dpo/tiny.yaml base=runs/sft-<key>/checkpoint
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
@@ -35,7 +35,15 @@ from datasets_prep.preference import (
     prepare_pairs,
     sequence_sums,
 )
-from stages.common.config import ClusterConfig, LoggingConfig, LoraConfig, TrainConfig
+from stages.common.config import (
+    PAIR_DATA_UNUSED,
+    ClusterConfig,
+    LoggingConfig,
+    LoraConfig,
+    StageConfig,
+    TrainConfig,
+    section_unused,
+)
 from stages.common.logprobs import token_logps
 from stages.common.preference_losses import PolicyPair, dpo_loss
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
@@ -44,26 +52,29 @@ from stages.common.stage_run import check_data_fits, read_items, total_steps, tr
 STAGE = "dpo"
 
 
-class DPOConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# the DPO losses take no per-pair margin
+DPO_DATA_UNUSED = {**PAIR_DATA_UNUSED, "margin_key": "the DPO losses take no margin", "score_keys": "the DPO losses take no margin"}
 
-    base: str = "tiny:tiny"  # the starting policy, from the CLI; flows pass the SFT checkpoint
-    reference: str | None = None  # from the CLI; None = a frozen copy of the starting policy
-    data: DataConfig
-    # held-out pairs: eval_loss, eval_reward_accuracy, eval_chosen/rejected_reward, eval_reward_margin
-    # (per pair) every eval_steps and after the last step
-    eval_data: DataConfig | None = None
-    eval_steps: int = Field(0, ge=0)  # 0: only after the last step
-    loss: Literal["dpo", "ipo", "cdpo"] = "dpo"
-    beta: float = Field(0.1, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # cDPO's epsilon: the assumed rate of flipped preference labels
-    nll_loss_coef: float = Field(0.0, ge=0)
-    precompute_ref_logps: bool = False
-    train: TrainConfig = TrainConfig()
-    lora: LoraConfig = LoraConfig()
-    logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
-    cluster: ClusterConfig = ClusterConfig()  # cluster.address: run the ranks on an existing Ray cluster
-    output_root: str = "runs"
+
+class DPOConfig(StageConfig):
+    model_config = ConfigDict(extra="forbid")
+    UNUSED: ClassVar[dict[str, str]] = {**section_unused("data", DPO_DATA_UNUSED), **section_unused("eval_data", DPO_DATA_UNUSED), "eval_data.packing": "held-out rows are not packed (data.packing packs the training rows)"}
+
+    base: str = Field("tiny:tiny", description="the starting policy, from the CLI; flows pass the SFT checkpoint")
+    reference: str | None = Field(None, description="from the CLI; None = a frozen copy of the starting policy")
+    data: DataConfig = Field(description="the training preference pairs (prompt, chosen, rejected)")
+    eval_data: DataConfig | None = Field(None, description="held-out pairs: eval_loss, eval_reward_accuracy, eval_chosen/rejected_reward, eval_reward_margin (per pair) every eval_steps and after the last step")
+    eval_steps: int = Field(0, ge=0, description="0: only after the last step")
+    loss: Literal["dpo", "ipo", "cdpo"] = Field("dpo", description="dpo (sigmoid), ipo (squared), cdpo (conservative DPO with label smoothing)")
+    beta: float = Field(0.1, gt=0, description="the KL strength (DPO's beta)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO's epsilon: the assumed rate of flipped preference labels")
+    nll_loss_coef: float = Field(0.0, ge=0, description="weight of an NLL term on the chosen responses (0: none)")
+    precompute_ref_logps: bool = Field(False, description="the reference's log-probs once before training instead of a reference forward every step")
+    train: TrainConfig = Field(TrainConfig(), description="DeepSpeed, batch, optimizer and schedule")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters instead of full training")
+    logging: LoggingConfig = Field(LoggingConfig(), description="logging.wandb: {project, ...}")
+    cluster: ClusterConfig = Field(ClusterConfig(), description="cluster.address: run the ranks on an existing Ray cluster")
+    output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
 
     @model_validator(mode="after")
     def _check(self) -> DPOConfig:

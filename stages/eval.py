@@ -28,13 +28,13 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
-from stages.common.config import ClusterConfig
+from stages.common.config import PROMPT_DATA_UNUSED, ClusterConfig, StageConfig, section_unused
 from stages.common.graders import grade, load_grader
 from stages.common.launcher import launch
 from stages.common.plots import y_scale
@@ -43,26 +43,24 @@ from stages.common.stage import POLICY, REPORT, REWARD, Input, StageRun, StageSp
 METRICS = ("accuracy", "pass@k", "response_length", "reward", "kl_to_reference")
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(StageConfig):
     model_config = ConfigDict(extra="forbid")
+    UNUSED: ClassVar[dict[str, str]] = section_unused("data", PROMPT_DATA_UNUSED)
 
-    data: DataConfig
-    max_new_tokens: int = Field(16, ge=1)
-    num_samples: int = Field(8, ge=0)  # sampled responses per prompt, for pass@k and the KL estimate (0: greedy only)
-    pass_k: int = Field(8, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    # what grades a response against the row's label (stages.common.graders): a built-in name (arithmetic:
-    # the embedded task; math: math-verify with #### / \\boxed{} extraction), module:function or file.py[:function]
-    grader: str = "arithmetic"
-    timeout_s: float = Field(6 * 3600.0, gt=0)  # deadline of each generation / scoring subprocess
-    seed: int = 0
-    dtype: Literal["float32", "bfloat16"] = "float32"  # vLLM's dtype (float32: exact log-probs for the KL)
-    models: list[str] = []  # checkpoint folders, when run from the CLI
-    reward_model: str | None = None  # from the CLI; flows pass references
-    reference: str | None = None
-    output_root: str = "runs"
-    # cluster.address: each generation and the scoring run as a Ray actor on an existing cluster (a GPU each there)
-    cluster: ClusterConfig = ClusterConfig()
+    data: DataConfig = Field(description="held-out prompts with their labels (label_key)")
+    max_new_tokens: int = Field(16, ge=1, description="the longest response generated")
+    num_samples: int = Field(8, ge=0, description="sampled responses per prompt, for pass@k and the KL estimate (0: greedy only)")
+    pass_k: int = Field(8, ge=1, description="k of pass@k (at most num_samples)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the num_samples responses (greedy accuracy is always at 0)")
+    grader: str = Field("arithmetic", description="what grades a response against the row's label (stages.common.graders): a built-in name (arithmetic: the embedded task; math: math-verify with #### / \\\\boxed{} extraction), module:function or file.py[:function]")
+    timeout_s: float = Field(6 * 3600.0, gt=0, description="deadline of each generation / scoring subprocess")
+    seed: int = Field(0, description="sampling")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="vLLM's dtype (float32: exact log-probs for the KL)")
+    models: list[str] = Field([], description="checkpoint folders, when run from the CLI")
+    reward_model: str | None = Field(None, description="from the CLI; flows pass references")
+    reference: str | None = Field(None, description="a reference policy for kl_to_reference, from the CLI; flows pass references")
+    output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
+    cluster: ClusterConfig = Field(ClusterConfig(), description="cluster.address: each generation and the scoring run as a Ray actor on an existing cluster (a GPU each there)")
 
 
 class EvalReport(BaseModel):
@@ -275,6 +273,7 @@ SPEC = StageSpec(
     (Input("models", (POLICY,), field="models", required=True, many=True), Input("reward_model", (REWARD,), field="reward_model"),
      Input("reference", (POLICY,), field="reference")),
     output=REPORT, files=("data.paths", "grader"), plugins=("grader",), result=EvalReport, existing=existing_report,
+    check=lambda config: load_grader(config.grader),  # a bad grader reference fails before anything starts
 )
 
 if __name__ == "__main__":

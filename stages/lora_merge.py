@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict, Field
 
 from checkpoints import CheckpointError, CheckpointRef, commit, read_manifest, require_kind, staging, verify
+from stages.common.config import StageConfig
 from stages.common.stage import (
     ADAPTER,
     POLICY,
@@ -29,12 +30,12 @@ from stages.common.stage import (
 STAGE = "lora_merge"
 
 
-class LoraMergeConfig(BaseModel):
+class LoraMergeConfig(StageConfig):
     model_config = ConfigDict(extra="forbid")
 
-    adapter: str = ""  # from the CLI; flows pass references
-    base: str = ""
-    output_root: str = "runs"
+    adapter: str = Field("", description="from the CLI; flows pass references")
+    base: str = Field("", description="the model the adapter was trained on, from the CLI (default: the one the adapter's checkpoint names)")
+    output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
 
 
 def run_lora_merge(config: LoraMergeConfig, adapter: CheckpointRef, base: CheckpointRef | None, *,

@@ -17,10 +17,10 @@ Run: ``python -m stages.reward_model recipes/reward_model/tiny.yaml``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
@@ -32,7 +32,15 @@ from datasets_prep.preference import (
     pair_items_from_json,
     prepare_pairs,
 )
-from stages.common.config import ClusterConfig, LoggingConfig, LoraConfig, TrainConfig
+from stages.common.config import (
+    PAIR_DATA_UNUSED,
+    ClusterConfig,
+    LoggingConfig,
+    LoraConfig,
+    StageConfig,
+    TrainConfig,
+    section_unused,
+)
 from stages.common.preference_losses import RewardPair, reward_loss
 from stages.common.scoring import score_padded, sequence_scores  # noqa: F401  (score_padded: this stage's scorer)
 from stages.common.stage import (
@@ -50,19 +58,20 @@ from stages.common.stage_run import check_data_fits, read_items, total_steps, tr
 STAGE = "reward_model"
 
 
-class RewardModelConfig(BaseModel):
+class RewardModelConfig(StageConfig):
     model_config = ConfigDict(extra="forbid")
+    UNUSED: ClassVar[dict[str, str]] = {**section_unused("data", PAIR_DATA_UNUSED), **section_unused("eval_data", PAIR_DATA_UNUSED), "eval_data.packing": "held-out rows are not packed (data.packing packs the training rows)"}
 
-    base: str = "tiny:tiny"  # from the CLI; flows pass the starting checkpoint (usually the SFT output)
-    data: DataConfig
-    eval_data: DataConfig | None = None
-    loss: Literal["sigmoid", "logexp"] = "sigmoid"
-    eval_steps: int = Field(50, ge=0)
-    train: TrainConfig = TrainConfig()
-    lora: LoraConfig = LoraConfig()
-    logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
-    cluster: ClusterConfig = ClusterConfig()  # cluster.address: run the ranks on an existing Ray cluster
-    output_root: str = "runs"
+    base: str = Field("tiny:tiny", description="from the CLI; flows pass the starting checkpoint (usually the SFT output)")
+    data: DataConfig = Field(description="the training preference pairs (prompt, chosen, rejected)")
+    eval_data: DataConfig | None = Field(None, description="held-out pairs: eval accuracy and loss every eval_steps and after the last step")
+    loss: Literal["sigmoid", "logexp"] = Field("sigmoid", description="sigmoid: -log sigmoid(r_chosen - r_rejected - margin); logexp: log(1 + exp(r_rejected - r_chosen))")
+    eval_steps: int = Field(50, ge=0, description="evaluate on eval_data every N steps (0: after the last step only)")
+    train: TrainConfig = Field(TrainConfig(), description="DeepSpeed, batch, optimizer and schedule")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters (with the score head trained in full) instead of full training")
+    logging: LoggingConfig = Field(LoggingConfig(), description="logging.wandb: {project, ...}")
+    cluster: ClusterConfig = Field(ClusterConfig(), description="cluster.address: run the ranks on an existing Ray cluster")
+    output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
 
 
 def run_reward_model(config: RewardModelConfig, base: CheckpointRef, *, run: StageRun | None = None) -> CheckpointRef:

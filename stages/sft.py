@@ -10,14 +10,23 @@ Run: ``python -m stages.sft recipes/sft/tiny.yaml train.world_size=2 train.zero_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
 from datasets_prep.packing import PackedRow, collate, loss_tokens, pack
 from datasets_prep.sft import Example, prepare_sft
-from stages.common.config import ClusterConfig, LoggingConfig, LoraConfig, TrainConfig
+from stages.common.config import (
+    SFT_DATA_UNUSED,
+    ClusterConfig,
+    LoggingConfig,
+    LoraConfig,
+    StageConfig,
+    TrainConfig,
+    section_unused,
+)
 from stages.common.logprobs import masked_sum, token_logps
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
 from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
@@ -25,21 +34,19 @@ from stages.common.stage_run import check_data_fits, read_items, total_steps, tr
 STAGE = "sft"
 
 
-class SFTConfig(BaseModel):
+class SFTConfig(StageConfig):
     model_config = ConfigDict(extra="forbid")
+    UNUSED: ClassVar[dict[str, str]] = {**section_unused("data", SFT_DATA_UNUSED), **section_unused("eval_data", SFT_DATA_UNUSED), "eval_data.packing": "held-out rows are not packed (data.packing packs the training rows)"}
 
-    # Model to start from when run from the CLI: a checkpoint folder, an HF model folder, a hub id,
-    # or tiny:<preset> for the embedded tiny model. Flows pass the base checkpoint instead.
-    base: str = "tiny:tiny"
-    data: DataConfig
-    # held-out examples (OpenRLHF's eval_dataset): eval_loss (per target token) every eval_steps and at the end
-    eval_data: DataConfig | None = None
-    eval_steps: int = Field(0, ge=0)  # 0: only after the last step
-    train: TrainConfig = TrainConfig()
-    lora: LoraConfig = LoraConfig()
-    logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
-    cluster: ClusterConfig = ClusterConfig()  # cluster.address: run the ranks on an existing Ray cluster
-    output_root: str = "runs"
+    base: str = Field("tiny:tiny", description="Model to start from when run from the CLI: a checkpoint folder, an HF model folder, a hub id, or tiny:<preset> for the embedded tiny model. Flows pass the base checkpoint instead.")
+    data: DataConfig = Field(description="the training rows (prompt/response pairs, chat messages or plain text)")
+    eval_data: DataConfig | None = Field(None, description="held-out examples (OpenRLHF's eval_dataset): eval_loss (per target token) every eval_steps and at the end")
+    eval_steps: int = Field(0, ge=0, description="0: only after the last step")
+    train: TrainConfig = Field(TrainConfig(), description="DeepSpeed, batch, optimizer and schedule")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters instead of full training")
+    logging: LoggingConfig = Field(LoggingConfig(), description="logging.wandb: {project, ...}")
+    cluster: ClusterConfig = Field(ClusterConfig(), description="cluster.address: run the ranks on an existing Ray cluster")
+    output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
 
 
 def run_sft(config: SFTConfig, base: CheckpointRef, *, run: StageRun | None = None) -> CheckpointRef:

@@ -2,9 +2,87 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+_MISSING = object()
+
+
+def given(data: Any, dotted: str) -> Any:
+    """The value the raw config mapping ``data`` sets at ``dotted`` (``_MISSING`` when it sets none)."""
+    *sections, leaf = dotted.split(".")
+    for part in sections:
+        data = data.get(part) if isinstance(data, Mapping) else None
+    return data[leaf] if isinstance(data, Mapping) and leaf in data else _MISSING
+
+
+def default_at(model: type[BaseModel], dotted: str) -> Any:
+    """The default of the field at ``dotted`` (inside a section's default instance where it has one)."""
+    value: Any = _MISSING
+    for part in dotted.split("."):
+        if isinstance(value, BaseModel):
+            model, value = type(value), getattr(value, part)
+            continue
+        info = model.model_fields[part]
+        value = info.get_default(call_default_factory=True)
+        if not isinstance(value, BaseModel):
+            from stages.common.cli import model_of
+
+            model = model_of(info.annotation) or model
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    norm = (lambda v: list(v) if isinstance(v, tuple) else v)
+    return norm(a) == norm(b)
+
+
+class StageConfig(BaseModel):
+    """The base of a stage's config: a field it has from a shared section (``train``, ``data``) but does not read is
+    listed in ``UNUSED`` (dotted path -> what to use instead) and refused by name when a recipe sets it, so no
+    setting is accepted and ignored. ``--help`` leaves them out."""
+
+    model_config = ConfigDict(extra="forbid")
+    UNUSED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unused(cls, data: Any) -> Any:
+        for dotted, instead in cls.UNUSED.items():
+            value = given(data, dotted)
+            # its default passes (a whole config written out, e.g. to a rank's job file, carries every field)
+            if value is not _MISSING and not _same(value, default_at(cls, dotted)):
+                raise ValueError(f"{dotted}: {value!r}: this stage does not read it; {instead}")
+        return data
+
+
+# what a stage that reads prompts (RL, eval) does not read of its data section
+PROMPT_DATA_UNUSED = {
+    "input_key": "prompts come from prompt_key", "output_key": "no responses are read (the policy generates them)",
+    "chosen_key": "no preference pairs are read", "rejected_key": "no preference pairs are read",
+    "margin_key": "no preference pairs are read", "score_keys": "no preference pairs are read",
+    "prompt_marker": "prompts come from prompt_key", "max_len": "prompts are not truncated (rollout.max_model_len bounds RL)",
+    "overflow": "prompts are not truncated", "packing": "prompts are not packed", "pretrain_mode": "prompts are not trained on",
+}
+# of an SFT data section
+SFT_DATA_UNUSED = {
+    "prompt_key": "SFT reads input_key (and output_key)", "chosen_key": "SFT reads no preference pairs",
+    "rejected_key": "SFT reads no preference pairs", "margin_key": "SFT reads no preference pairs",
+    "score_keys": "SFT reads no preference pairs", "prompt_marker": "SFT reads input_key (and output_key)",
+    "label_key": "SFT trains on output_key",
+}
+# of a preference-pair data section (reward model, DPO)
+PAIR_DATA_UNUSED = {
+    "input_key": "pairs read prompt_key, chosen_key and rejected_key", "output_key": "pairs read chosen_key and rejected_key",
+    "label_key": "pairs read chosen_key and rejected_key", "pretrain_mode": "pairs are not plain text",
+}
+
+
+def section_unused(section: str, unused: Mapping[str, str]) -> dict[str, str]:
+    return {f"{section}.{k}": v for k, v in unused.items()}
 
 
 class TrainConfig(BaseModel):
@@ -12,30 +90,28 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    world_size: int = 1  # ranks on this machine (CPU: gloo, GPU: NCCL, one GPU each)
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    train_batch_size: int = 32  # global, across ranks and accumulation steps
-    micro_train_batch_size: int = 8  # per rank per forward
-    max_steps: int | None = None  # optimizer steps; None = num_epochs over the data
-    num_epochs: int = 1
-    lr: float = 1e-3
-    lr_scheduler: Literal["cosine", "constant"] = "cosine"
-    warmup_ratio: float = 0.05
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine floor as a fraction of lr
-    weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    max_grad_norm: float = Field(1.0, gt=0)
-    gradient_checkpointing: bool = False
-    seed: int = 42
-    save_steps: int = Field(0, ge=0)  # in-stage checkpoint every N steps; 0 = none
-    resume: bool = False  # continue from the latest in-stage checkpoint of the same run
-    keep_last: int = Field(1, ge=1)  # in-stage checkpoints kept (state/step<N>); older ones are removed once a newer one is committed
-    logging_steps: int = Field(1, ge=1)
-    # deadline of the stage's ranks as a whole (start to export); past it every rank is ended and the ranks
-    # still running are named. RL: the driver's calls have their own deadline (ray.call_timeout_s)
-    timeout_s: float = Field(24 * 3600.0, gt=0)
-    progress_bar: bool = True
+    world_size: int = Field(1, description="ranks on this machine (CPU: gloo, GPU: NCCL, one GPU each)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (0: plain data parallel, 3: parameters sharded too)")
+    dtype: Literal["bf16", "fp32"] = Field("bf16", description="training precision (bf16 mixed precision or fp32)")
+    train_batch_size: int = Field(32, description="global, across ranks and accumulation steps")
+    micro_train_batch_size: int = Field(8, description="per rank per forward")
+    max_steps: int | None = Field(None, description="optimizer steps; None = num_epochs over the data")
+    num_epochs: int = Field(1, description="passes over the data when max_steps is None")
+    lr: float = Field(1e-3, description="peak learning rate (AdamW)")
+    lr_scheduler: Literal["cosine", "constant"] = Field("cosine", description="cosine decay to min_lr_ratio x lr after warmup, or constant after warmup")
+    warmup_ratio: float = Field(0.05, description="share of the steps with a linear warm-up")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, more compute)")
+    seed: int = Field(42, description="data order and initialisation")
+    save_steps: int = Field(0, ge=0, description="in-stage checkpoint every N steps; 0 = none")
+    resume: bool = Field(False, description="continue from the latest in-stage checkpoint of the same run")
+    keep_last: int = Field(1, ge=1, description="in-stage checkpoints kept (state/step<N>); older ones are removed once a newer one is committed")
+    logging_steps: int = Field(1, ge=1, description="metrics every N steps")
+    timeout_s: float = Field(24 * 3600.0, gt=0, description="deadline of the stage's ranks as a whole (start to export); past it every rank is ended and the ranks still running are named. RL: the driver's calls have their own deadline (ray.call_timeout_s)")
+    progress_bar: bool = Field(True, description="a tqdm bar on stderr")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -68,10 +144,10 @@ class LoraConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rank: int = Field(0, ge=0)
-    alpha: int = Field(16, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    rank: int = Field(0, ge=0, description="LoRA rank (r); 0 trains the full model")
+    alpha: int = Field(16, gt=0, description="LoRA alpha (the update is scaled by alpha / rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA path")
+    target_modules: list[str] | Literal["all-linear"] = Field("all-linear", description="the module names to adapt, or all-linear")
 
     @property
     def enabled(self) -> bool:
@@ -86,12 +162,12 @@ class WandbConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    project: str = Field(min_length=1)
-    entity: str | None = None
-    name: str | None = None  # default: the run folder's name (<stage>-<run key>)
-    group: str | None = None
-    tags: list[str] = []
-    mode: Literal["online", "offline", "disabled"] | None = None  # None: WANDB_MODE, else online
+    project: str = Field(min_length=1, description="the W&B project")
+    entity: str | None = Field(None, description="the W&B team or user (default: the API key's)")
+    name: str | None = Field(None, description="default: the run folder's name (<stage>-<run key>)")
+    group: str | None = Field(None, description="a W&B group (e.g. one per pipeline run)")
+    tags: list[str] = Field([], description="W&B tags")
+    mode: Literal["online", "offline", "disabled"] | None = Field(None, description="None: WANDB_MODE, else online")
 
 
 class LoggingConfig(BaseModel):
@@ -99,7 +175,7 @@ class LoggingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    wandb: WandbConfig | None = None
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging; null: off")
 
 
 class ClusterConfig(BaseModel):
@@ -114,14 +190,8 @@ class ClusterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    address: str | None = None
-    # how the ranks' bundles spread over nodes (Ray placement strategies): PACK fills a node first; SPREAD spreads
-    # where it can; STRICT_SPREAD puts every bundle on its own node (one rank per node)
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    # None: GPU ranks when the cluster has GPUs (its resources decide, not the driver's machine)
-    gpu: bool | None = None
-    # ship the project's sources (stages, checkpoints, datasets_prep) with the job (Ray runtime_env py_modules);
-    # false: every node runs the same image with the project installed
-    ship_code: bool = True
-    # joining the cluster and placing the ranks (the placement group becomes ready) must take at most this long
-    connect_timeout_s: float = Field(60.0, gt=0)
+    address: str | None = Field(None, description="null: this machine; auto, host:port (the head's GCS) or ray://host:port: that existing Ray cluster")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="how the ranks' bundles spread over nodes (Ray placement strategies): PACK fills a node first; SPREAD spreads where it can; STRICT_SPREAD puts every bundle on its own node (one rank per node)")
+    gpu: bool | None = Field(None, description="None: GPU ranks when the cluster has GPUs (its resources decide, not the driver's machine)")
+    ship_code: bool = Field(True, description="ship the project's sources (stages, checkpoints, datasets_prep) with the job (Ray runtime_env py_modules); false: every node runs the same image with the project installed")
+    connect_timeout_s: float = Field(60.0, gt=0, description="joining the cluster and placing the ranks (the placement group becomes ready) must take at most this long")

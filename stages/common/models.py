@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from checkpoints import CheckpointRef, import_pretrained
+
+LATEST = "latest:"
 
 
 def resolve_model(spec: str, output_root: str) -> CheckpointRef:
-    """``tiny:<preset>`` builds the embedded tiny model; anything else is a checkpoint folder, an HF
-    model folder or a hub id (imported into the store under a manifest)."""
+    """``tiny:<preset>`` builds the embedded tiny model; ``latest:<stage>`` is the most recently committed output
+    of that stage under ``output_root`` (e.g. ``latest:sft``: no run hash to copy; the resolved checkpoint's digest
+    is what enters the run identity); anything else is a checkpoint folder, an HF model folder or a hub id
+    (imported into the store under a manifest)."""
     if spec.startswith("tiny:"):
         from stages.common.tiny import TinyModelConfig, run_tiny_model
 
         return run_tiny_model(TinyModelConfig(preset=spec.removeprefix("tiny:"), output_root=output_root))
+    if spec.startswith(LATEST):
+        return latest_output(spec.removeprefix(LATEST), output_root)
     return import_pretrained(spec, output_root)
+
+
+def latest_output(stage: str, output_root: str) -> CheckpointRef:
+    """The newest committed checkpoint of ``stage`` under ``output_root`` (``<stage>-<run key>/checkpoint``, by the
+    time its manifest was written), verified."""
+    from checkpoints import CheckpointError, load_ref, verify
+    from checkpoints.store import MANIFEST
+
+    root = Path(output_root)
+    found = sorted(root.glob(f"{stage}-*/checkpoint/{MANIFEST}"), key=lambda p: p.stat().st_mtime_ns)
+    if not found:
+        seen = sorted({p.parent.parent.name.rsplit("-", 1)[0] for p in root.glob(f"*-*/checkpoint/{MANIFEST}")})
+        raise CheckpointError(f"{LATEST}{stage}: no committed {stage} checkpoint under {root.resolve()} "
+                              f"(stages with one there: {seen or 'none'})")
+    ref = load_ref(found[-1].parent)
+    verify(ref)
+    return ref

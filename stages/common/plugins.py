@@ -45,7 +45,8 @@ def load_module(ref: str, what: str, error: type[Exception] = PluginError):
     if is_file:
         p = Path(head)
         if not p.is_file():
-            raise error(f"{what} {ref}: not found")
+            where = "" if p.is_absolute() else f"; relative paths resolve against the working directory {Path.cwd()}"
+            raise error(f"{what} {ref}: not found (looked for {p.resolve()}{where})")
         spec = importlib.util.spec_from_file_location(f"user_plugin_{abs(hash(str(p.resolve())))}", p)
         module = importlib.util.module_from_spec(spec)
         try:

@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 
-def report_progress(step: int, total: int, metrics: dict[str, float] | None = None) -> None:
+def report_progress(step: int, total: int, metrics: dict[str, float] | None = None, warning: str | None = None) -> None:
     """``metrics``: this step's scalars; those named ``eval_*`` (logged on evaluation steps) are kept until
-    the next evaluation."""
+    the next evaluation. ``warning``: what is wrong with this step, shown in the progress artifact."""
     target = os.environ.get("RLHF_PROGRESS_FILE")
     if not target:
         return
@@ -23,7 +23,7 @@ def report_progress(step: int, total: int, metrics: dict[str, float] | None = No
     evals = {k: v for k, v in metrics.items() if k.startswith("eval_")}
     previous = _read(path) or {}
     record = {"step": step, "total": total, "metrics": {k: v for k, v in metrics.items() if k not in evals},
-              "eval": {"step": step, **evals} if evals else previous.get("eval")}
+              "eval": {"step": step, **evals} if evals else previous.get("eval"), "warning": warning}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record))
     tmp.replace(path)
@@ -52,4 +52,6 @@ def read_progress(path: str | Path) -> tuple[float | None, str]:
     if ev:
         at = ev.pop("step")
         text += f"; eval at step {at}: " + ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in ev.items())
+    if p.get("warning"):
+        text += f"; WARNING: {p['warning']}"
     return 100.0 * p["step"] / p["total"], text

@@ -67,22 +67,41 @@ def set_dotted(data: dict[str, Any], key: str, value: Any, label: str | None = N
     node[parts[-1]] = value
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
+def format_validation_error(err: ValidationError, source: str, model: type[BaseModel] | None = None) -> str:
     lines = [f"{source}: invalid config ({err.error_count()} error(s))"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<top>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key (value {e['input']!r}); check the spelling against the stage's config")
+            hint = _unknown_key_hint(model, e["loc"]) if model is not None else ""
+            lines.append(f"  {loc}: unknown key (value {e['input']!r}){hint or '; check the spelling against the stage config'}"
+                         f" (the stage's --help lists its fields)")
+        elif e["type"] == "missing":
+            lines.append(f"  {loc}: required, not given")
+        elif e["type"] == "value_error":  # the project's own checks name the field and the value themselves
+            lines.append(f"  {'' if loc == '<top>' else loc + ': '}{e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {loc}: {e['msg']} (got {e['input']!r})")
     return "\n".join(lines)
+
+
+def _unknown_key_hint(model: type[BaseModel], loc: tuple) -> str:
+    """A "did you mean" for an unknown key at ``loc``: the closest key of the section it sits in."""
+    from stages.common.cli import did_you_mean, field_key, model_of
+
+    current: type[BaseModel] | None = model
+    for part in loc[:-1]:
+        fields = {field_key(n, i): i for n, i in current.model_fields.items()} if current is not None else {}
+        current = model_of(fields[part].annotation) if part in fields else None
+    if current is None:
+        return ""
+    return did_you_mean(str(loc[-1]), [field_key(n, i) for n, i in current.model_fields.items()])
 
 
 def validate(cls: type[T], data: dict[str, Any], source: str) -> T:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(format_validation_error(e, source)) from None
+        raise RecipeError(format_validation_error(e, source, cls)) from None
 
 
 def load_config(cls: type[T], argv: list[str] | None = None) -> T:

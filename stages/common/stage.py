@@ -93,6 +93,23 @@ class StageSpec:
     plugins: tuple[str, ...] = ()  # those of ``files`` that may name code as ``file.py:name`` or ``module:name``
     result: type[BaseModel] = CheckpointRef
     existing: Callable[[StageRun], Any] = committed_checkpoint  # a finished output under an identity, or None
+    # the stage's own checks of what its config names, run before any process starts (code that must import, a
+    # server that must accept connections); raise the project's errors (PluginError, RecipeError, ...)
+    check: Callable[[BaseModel], None] | None = None
+
+    def preflight(self, config: BaseModel) -> None:
+        """What a config names that can be checked before any process starts (the CLI and a pipeline's plan run
+        this): every local data file exists, and the stage's own :attr:`check`."""
+        from datasets_prep.loading import check_path
+
+        for dotted in self.files:
+            if dotted in self.plugins:
+                continue
+            value = get_dotted(config, dotted)
+            for item in [value] if isinstance(value, str) else value or []:
+                check_path(item, dotted)
+        if self.check is not None:
+            self.check(config)
 
     def output_kind(self, config: BaseModel, input_kinds: Mapping[str, Any]) -> str:
         return self.output(config, input_kinds) if callable(self.output) else self.output
@@ -181,16 +198,40 @@ def _input_digests(spec: StageSpec, config: BaseModel, inputs: Mapping[str, Inpu
     return out
 
 
+def unchanged_inputs(result: Any, inputs: Mapping[str, InputValue]) -> list[str]:
+    """The inputs whose content digest the output checkpoint has: training left the weights as they were."""
+    if not isinstance(result, CheckpointRef):
+        return []
+    return [name for name, ref in inputs.items() if isinstance(ref, CheckpointRef) and ref.digest == result.digest]
+
+
+def warn_if_unchanged(stage: str, result: Any, inputs: Mapping[str, InputValue]) -> None:
+    for name in unchanged_inputs(result, inputs):
+        print(f"[{stage}] WARNING: the output checkpoint has the same content digest as its input {name!r} "
+              f"({result.digest[:16]}): this run did not change the weights", file=sys.stderr, flush=True)
+
+
 def cli_run(spec: StageSpec, argv: list[str] | None = None) -> Any:
-    """A stage's CLI: ``[RECIPE.yaml] [key=value ...]``; inputs from their config fields; the result."""
+    """A stage's CLI: ``[RECIPE.yaml] [key=value ...] [--debug] [--help [FIELD]]``; inputs from their config
+    fields; the result. A mistake in what was given is one line on stderr (exit code 2)."""
+    from stages.common.cli import run_cli
+
+    prog = f"python -m {spec.modules[0].removesuffix('.driver')}"
+    return run_cli(prog, argv, lambda args: _cli_body(spec, args), spec.config)
+
+
+def _cli_body(spec: StageSpec, argv: list[str]) -> Any:
     from stages.common.recipe import RecipeError, load_config
 
     config = load_config(spec.config, argv)
+    spec.preflight(config)
     inputs = spec.resolve_inputs(config, {})
     for inp in spec.inputs:
         if inp.required and not inputs[inp.name]:
             raise RecipeError(f"{inp.field}: required: the {spec.name} stage needs {inp.name} (e.g. {inp.field}=runs/<folder>)")
-    return spec.run(config, **inputs)
+    result = spec.run(config, **inputs)
+    warn_if_unchanged(spec.name, result, inputs)
+    return result
 
 
 def print_result(spec: StageSpec, argv: list[str] | None = None) -> None:

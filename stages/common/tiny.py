@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict, Field
 
 from checkpoints import CheckpointRef, commit, staging
+from stages.common.config import StageConfig
 from stages.common.identity import StageRun, canonical_config, code_version, committed_checkpoint, make_run
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -39,14 +40,14 @@ PRESETS = {
 STAGE = "tiny_model"
 
 
-class TinyModelConfig(BaseModel):
+class TinyModelConfig(StageConfig):
     model_config = ConfigDict(extra="forbid")
 
-    preset: Literal["micro", "tiny", "small"] = "tiny"
-    vocab_size: int = 512
-    max_position_embeddings: int = 512
-    seed: int = 0
-    output_root: str = "runs"
+    preset: Literal["micro", "tiny", "small"] = Field("tiny", description="the model's size: micro (0.46M parameters), tiny (3.4M), small (25M); a Llama built here with a locally trained tokenizer")
+    vocab_size: int = Field(512, description="the tokenizer's vocabulary (trained on the embedded task's text)")
+    max_position_embeddings: int = Field(512, description="the longest sequence the model takes")
+    seed: int = Field(0, description="initial weights and tokenizer training")
+    output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
 
 
 def identify(config: TinyModelConfig, given: StageRun | None = None) -> StageRun:

@@ -360,10 +360,20 @@ def aggregation_normaliser(masks: list[torch.Tensor], mode: str, max_len: int) -
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
+# other frameworks' names for the estimators (TRL's GRPO/Dr. GRPO loss types, the papers' names)
+SYNONYMS = {"grpo": "group_norm", "dr-grpo": "dr_grpo", "ppo": "gae", "reinforce++": "reinforce",
+            "reinforce_plus_plus": "reinforce", "reinforce++-baseline": "reinforce_baseline",
+            "reinforce_plus_plus_baseline": "reinforce_baseline"}
+
+
 def lookup(registry: dict, name: str, field: str):
-    """``registry[name]``, or a ValueError naming the config ``field``, the value and the valid names."""
+    """``registry[name]``, or a ValueError naming the config ``field``, the value, a "did you mean" (also for
+    another framework's name, e.g. TRL's ``grpo``) and the valid names."""
+    from stages.common.cli import did_you_mean
+
     if name not in registry:
-        raise ValueError(f"{field}: '{name}' is unknown; valid: {', '.join(sorted(registry))}")
+        synonyms = {k: v for k, v in SYNONYMS.items() if v in registry}
+        raise ValueError(f"{field}: '{name}' is unknown; valid: {', '.join(sorted(registry))}{did_you_mean(name, registry, synonyms)}")
     return registry[name]
 
 

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import math
 import urllib.parse
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from datasets_prep.loading import DataConfig
-from stages.common.config import ClusterConfig, LoggingConfig, LoraConfig, TrainConfig
+from stages.common.config import (
+    PROMPT_DATA_UNUSED,
+    ClusterConfig,
+    LoggingConfig,
+    LoraConfig,
+    StageConfig,
+    TrainConfig,
+    section_unused,
+)
 from stages.rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
@@ -44,71 +52,49 @@ def check_endpoint(url: str, timeout_s: float, retries: int) -> None:
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    rollout_batch_size: int = Field(16, ge=1)  # prompts per RL step
-    n_samples_per_prompt: int = Field(4, ge=1)
-    max_new_tokens: int = Field(16, ge=1)
-    # sampling temperature: the learners and the reference divide their logits by it, so the policy trained on
-    # is the one sampled from (as OpenRLHF); vLLM reports the tempered log-probs for rollout_logprob_diff
-    temperature: float = 1.0
-    # nucleus sampling: 1.0 only. Training on top-p samples would need the truncated distribution's
-    # log-probs on the learners too (not implemented), so other values are refused by name
-    top_p: float = 1.0
-    num_engines: int = Field(1, ge=1)  # vLLM engines (each a Ray actor)
-    tensor_parallel_size: int = Field(1, ge=1)  # GPU only; the CPU build runs TP 1
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    max_model_len: int = Field(512, ge=1)
-    # async training (OpenRLHF's async_enable): the engines generate the next max_staleness steps' samples
-    # while the learners train, each step's batch sampled by weights up to max_staleness updates old; the
-    # engine's log-probs are kept for the IS correction (algo.is_correction, which async runs should set)
-    async_: bool = Field(False, alias="async")
-    max_staleness: int = Field(1, ge=1)
-    # multi-turn agents (stages.rl.agents): a file (or module) defining reset(prompt, label) and
-    # step(state, action_text); its step rewards replace the reward source; at most max_turns actions an episode
-    agent: str | None = None
-    max_turns: int = Field(2, ge=1)
+    rollout_batch_size: int = Field(16, ge=1, description="prompts per RL step")
+    n_samples_per_prompt: int = Field(4, ge=1, description="samples per prompt (a group, for the group-baseline estimators)")
+    max_new_tokens: int = Field(16, ge=1, description="the longest response sampled")
+    temperature: float = Field(1.0, description="sampling temperature: the learners and the reference divide their logits by it, so the policy trained on is the one sampled from (as OpenRLHF); vLLM reports the tempered log-probs for rollout_logprob_diff")
+    top_p: float = Field(1.0, description="nucleus sampling: 1.0 only. Training on top-p samples would need the truncated distribution's log-probs on the learners too (not implemented), so other values are refused by name")
+    num_engines: int = Field(1, ge=1, description="vLLM engines (each a Ray actor)")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPU only; the CPU build runs TP 1")
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="the vLLM engines' dtype")
+    max_model_len: int = Field(512, ge=1, description="prompt + response tokens the engines hold")
+    async_: bool = Field(False, alias="async", description="async training (OpenRLHF's async_enable): the engines generate the next max_staleness steps' samples while the learners train, each step's batch sampled by weights up to max_staleness updates old; the engine's log-probs are kept for the IS correction (algo.is_correction, which async runs should set)")
+    max_staleness: int = Field(1, ge=1, description="async: how many updates behind the learners a batch's weights may be")
+    agent: str | None = Field(None, description="multi-turn agents (stages.rl.agents): a file (or module) defining reset(prompt, label) and step(state, action_text); its step rewards replace the reward source; at most max_turns actions an episode")
+    max_turns: int = Field(2, ge=1, description="an agent episode's most actions")
 
 
 class AlgoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    advantage_estimator: str = "group_norm"
-    policy_loss: str = "ppo"
-    clip_eps_low: float = Field(0.2, gt=0)
-    clip_eps_high: float = Field(0.2, gt=0)
-    dual_clip: float | None = Field(None, gt=1)  # OpenRLHF: > 1
-    # OpenRLHF's entropy_loss_coef: None or 0: the entropy is logged only; > 0: coef * entropy is subtracted
-    # from the loss (aggregated like the policy loss)
-    entropy_coef: float | None = None
-    loss_agg: str = "token_mean"
-    ppo_epochs: int = 1
-    # discount of the per-token returns. OpenRLHF forces 1.0 for the group-baseline estimators (rloo,
-    # reinforce_baseline, group_norm, dr_grpo); here the value given is used as it is
-    gamma: float = Field(1.0, ge=0, le=1)
-    lambd: float = Field(1.0, ge=0, le=1)  # GAE's lambda (estimator gae)
-    init_kl_coef: float = Field(0.0, ge=0)  # 0: no reference model at all
-    kl_estimator: str = "k1"
-    kl_in_reward: bool = True  # True: -coef*KL per token in the reward; False: coef*KL as a loss term
-    kl_target: float | None = Field(None, gt=0)  # adaptive coefficient (Ziegler et al. 2019) when set
-    kl_horizon: int = Field(10000, ge=1)
-    # clip the sequence reward to [-c, c]. Differs from OpenRLHF on purpose: OpenRLHF clips the raw reward
-    # before the group baseline; here the clip applies to what the estimator passes on (the baselined reward
-    # for rloo / group_norm / dr_grpo / reinforce_baseline, the raw one for reinforce and gae)
-    reward_clip: float | None = Field(None, gt=0)
-    normalize_reward: bool = False  # with a reward model: (r - mean) / std from its checkpoint
-    overlong_buffer: int | None = Field(None, ge=1)  # DAPO: penalise the last `buffer` tokens before max_new_tokens
-    overlong_penalty: float = Field(1.0, ge=0)
-    # ProRL / OpenRLHF: responses that hit max_new_tokens without a stop token: a coef in [0, 1] scales their
-    # reward, a negative one replaces it (applied after the overlong penalty, before the advantages)
-    stop_properly_penalty: float | None = None
-    # importance-sampling correction of the rollout engine's sampling log-probs against the learners'
-    # (OpenRLHF's is_correction_type): tis (clamp), icepop (drop tokens outside), seq-mask-tis (drop
-    # sequences whose geometric-mean ratio is outside); the ratio's [low, high]
-    is_correction: str | None = None
-    is_threshold: tuple[float, float] = (0.5, 5.0)
-    # DAPO's dynamic filtering: keep groups whose mean score lies strictly inside (low, high), drawing more
-    # prompts (at most dynamic_filtering_max_batches extra batches per step) until rollout_batch_size remain
-    dynamic_filtering: tuple[float, float] | None = None
-    dynamic_filtering_max_batches: int = Field(4, ge=1)
+    advantage_estimator: str = Field("group_norm", description="gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline (REINFORCE++-baseline), rloo, group_norm (GRPO; TRL's 'grpo'), dr_grpo (Dr. GRPO)")
+    policy_loss: str = Field("ppo", description="ppo (clipped token ratio) or gspo (sequence-level ratio)")
+    clip_eps_low: float = Field(0.2, gt=0, description="the ratio's lower clip: 1 - clip_eps_low")
+    clip_eps_high: float = Field(0.2, gt=0, description="the ratio's upper clip: 1 + clip_eps_high (DAPO's clip-higher when above clip_eps_low)")
+    dual_clip: float | None = Field(None, gt=1, description="OpenRLHF: > 1")
+    entropy_coef: float | None = Field(None, description="OpenRLHF's entropy_loss_coef: None or 0: the entropy is logged only; > 0: coef * entropy is subtracted from the loss (aggregated like the policy loss)")
+    loss_agg: str = Field("token_mean", description="how token losses become a scalar: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm (Dr. GRPO)")
+    ppo_epochs: int = Field(1, description="passes of updates over each step's samples")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of the per-token returns. OpenRLHF forces 1.0 for the group-baseline estimators (rloo, reinforce_baseline, group_norm, dr_grpo); here the value given is used as it is")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE's lambda (estimator gae)")
+    init_kl_coef: float = Field(0.0, ge=0, description="0: no reference model at all")
+    kl_estimator: str = Field("k1", description="k1, k2 or k3 (Schulman's estimators of KL to the reference)")
+    kl_in_reward: bool = Field(True, description="True: -coef*KL per token in the reward; False: coef*KL as a loss term")
+    kl_target: float | None = Field(None, gt=0, description="adaptive coefficient (Ziegler et al. 2019) when set")
+    kl_horizon: int = Field(10000, ge=1, description="the adaptive KL controller's horizon (samples)")
+    reward_clip: float | None = Field(None, gt=0, description="clip the sequence reward to [-c, c]. Differs from OpenRLHF on purpose: OpenRLHF clips the raw reward before the group baseline; here the clip applies to what the estimator passes on (the baselined reward for rloo / group_norm / dr_grpo / reinforce_baseline, the raw one for reinforce and gae)")
+    normalize_reward: bool = Field(False, description="with a reward model: (r - mean) / std from its checkpoint")
+    overlong_buffer: int | None = Field(None, ge=1, description="DAPO: penalise the last `buffer` tokens before max_new_tokens")
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO: the penalty at max_new_tokens (falling linearly over the buffer)")
+    stop_properly_penalty: float | None = Field(None, description="ProRL / OpenRLHF: responses that hit max_new_tokens without a stop token: a coef in [0, 1] scales their reward, a negative one replaces it (applied after the overlong penalty, before the advantages)")
+    is_correction: str | None = Field(None, description="importance-sampling correction of the rollout engine's sampling log-probs against the learners' (OpenRLHF's is_correction_type): tis (clamp), icepop (drop tokens outside), seq-mask-tis (drop sequences whose geometric-mean ratio is outside); the ratio's [low, high]")
+    is_threshold: tuple[float, float] = Field((0.5, 5.0), description="the IS ratio's [low, high] for is_correction")
+    dynamic_filtering: tuple[float, float] | None = Field(None, description="DAPO's dynamic filtering: keep groups whose mean score lies strictly inside (low, high), drawing more prompts (at most dynamic_filtering_max_batches extra batches per step) until rollout_batch_size remain")
+    dynamic_filtering_max_batches: int = Field(4, ge=1, description="extra prompt batches a step may draw to refill filtered groups")
+    max_steps_without_signal: int = Field(10, ge=0, description="fail the stage after this many steps in a row with no learning signal (the group-baseline estimators: every group's rewards equal; the others: every reward of the step equal; then every advantage is 0 and the policy does not move); 0: never fail (such steps are still logged, no_signal 1, and warned about)")
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
@@ -143,17 +129,13 @@ class RewardSourceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    func: str | None = None  # file.py (its reward_func), file.py:name or module:name
-    # one endpoint, or several: each call's samples are split into one contiguous batch per endpoint, sent at once
-    url: str | list[str] | None = None
-    # openrlhf: POST {"query", "prompts", "labels"} (OpenRLHF's remote reward servers and serve_rm);
-    # queries: POST {"queries", "prompts", "labels"}. Both answer {"rewards", "scores"?, "extra_logs"?}
-    protocol: Literal["openrlhf", "queries"] = "openrlhf"
-    # the environment variable holding a token sent as "Authorization: Bearer <token>" (never logged)
-    token_env: str | None = None
-    model: str | None = None  # from the CLI; flows pass the reward model's reference
-    timeout_s: float = 30.0  # the deadline of one reward call: connect, send, read and every retry
-    retries: int = 3  # more attempts after a transport error, 5xx, 408 or 429 (never after another 4xx)
+    func: str | None = Field(None, description="file.py (its reward_func), file.py:name or module:name")
+    url: str | list[str] | None = Field(None, description="one endpoint, or several: each call's samples are split into one contiguous batch per endpoint, sent at once")
+    protocol: Literal["openrlhf", "queries"] = Field("openrlhf", description="openrlhf: POST {\"query\", \"prompts\", \"labels\"} (OpenRLHF's remote reward servers and serve_rm); queries: POST {\"queries\", \"prompts\", \"labels\"}. Both answer {\"rewards\", \"scores\"?, \"extra_logs\"?}")
+    token_env: str | None = Field(None, description="the environment variable holding a token sent as \"Authorization: Bearer <token>\" (never logged)")
+    model: str | None = Field(None, description="from the CLI; flows pass the reward model's reference")
+    timeout_s: float = Field(30.0, description="the deadline of one reward call: connect, send, read and every retry")
+    retries: int = Field(3, description="more attempts after a transport error, 5xx, 408 or 429 (never after another 4xx)")
 
     @model_validator(mode="after")
     def _check(self) -> RewardSourceConfig:
@@ -175,13 +157,10 @@ class CriticConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # where the critic starts, from the CLI; flows pass a checkpoint (the pipeline's `critic` input). Unset:
-    # the reward model input when there is one (as OpenRLHF), else the starting policy
-    model: str | None = None
-    lr: float = 9e-6  # OpenRLHF's critic_learning_rate default
-    # clipped value loss max((clip(V) - R)^2, (V - R)^2) / 2 with V clipped to V_old +- value_clip; null: unclipped
-    value_clip: float | None = 0.5
-    freezing_steps: int = 0  # the first N steps train the critic only (the policy and the engines stay as they are)
+    model: str | None = Field(None, description="where the critic starts, from the CLI; flows pass a checkpoint (the pipeline's `critic` input). Unset: the reward model input when there is one (as OpenRLHF), else the starting policy")
+    lr: float = Field(9e-6, description="OpenRLHF's critic_learning_rate default")
+    value_clip: float | None = Field(0.5, description="clipped value loss max((clip(V) - R)^2, (V - R)^2) / 2 with V clipped to V_old +- value_clip; null: unclipped")
+    freezing_steps: int = Field(0, description="the first N steps train the critic only (the policy and the engines stay as they are)")
 
     @model_validator(mode="after")
     def _check(self) -> CriticConfig:
@@ -197,16 +176,10 @@ class CriticConfig(BaseModel):
 class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    num_cpus: int | None = Field(None, ge=1)  # the private local cluster's CPUs (default: this machine's)
-    # GPU: vLLM engines share the learners' GPUs (fractional GPU per actor) instead of their own.
-    # On CPU, engines never reserve CPUs (they run while the learners wait), so this changes nothing.
-    colocate_all: bool = False
-    # the deadline of every call the driver waits on (a rollout, an update, a weight push, a save): an actor
-    # that does not answer in time is named and the stage fails instead of hanging
-    call_timeout_s: float = Field(3600.0, gt=0)
-    # the deadline of starting up: the placement group, every actor's model load and DeepSpeed set-up, the
-    # engines' start (a large model's load can take far longer than any step's call)
-    startup_timeout_s: float = Field(3600.0, gt=0)
+    num_cpus: int | None = Field(None, ge=1, description="the private local cluster's CPUs (default: this machine's)")
+    colocate_all: bool = Field(False, description="GPU: vLLM engines share the learners' GPUs (fractional GPU per actor) instead of their own. On CPU, engines never reserve CPUs (they run while the learners wait), so this changes nothing.")
+    call_timeout_s: float = Field(3600.0, gt=0, description="the deadline of every call the driver waits on (a rollout, an update, a weight push, a save): an actor that does not answer in time is named and the stage fails instead of hanging")
+    startup_timeout_s: float = Field(3600.0, gt=0, description="the deadline of starting up: the placement group, every actor's model load and DeepSpeed set-up, the engines' start (a large model's load can take far longer than any step's call)")
 
     @model_validator(mode="before")
     @classmethod
@@ -220,42 +193,38 @@ class RayConfig(BaseModel):
 class RLTrainConfig(TrainConfig):
     """The learners' settings: the shared ones, plus micro-batches sized by tokens (OpenRLHF's dynamic batch)."""
 
-    # when set: each rank's share of an optimizer step is sorted by length and cut into micro-batches of at
-    # most this many positions (rows x the longest row, the padded size a forward computes), instead of
-    # micro_train_batch_size rows; every rank runs the same number of micro-batches (ZeRO-3 forwards are
-    # collective). On a 2-core CPU ~2-4k positions keep the activations in cache (bench/rl_step.py)
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="when set: each rank's share of an optimizer step is sorted by length and cut into micro-batches of at most this many positions (rows x the longest row, the padded size a forward computes), instead of micro_train_batch_size rows; every rank runs the same number of micro-batches (ZeRO-3 forwards are collective). On a 2-core CPU ~2-4k positions keep the activations in cache (bench/rl_step.py)")
 
 
-class RLConfig(BaseModel):
+class RLConfig(StageConfig):
     model_config = ConfigDict(extra="forbid")
+    UNUSED: ClassVar[dict[str, str]] = {**section_unused("data", PROMPT_DATA_UNUSED), **section_unused("eval_data", PROMPT_DATA_UNUSED),
+              "train.max_steps": "RL steps are max_steps (top level)",
+              "train.num_epochs": "each step's samples are trained on algo.ppo_epochs times",
+              "train.logging_steps": "RL logs every step",
+              "train.timeout_s": "RL's deadlines are ray.call_timeout_s (each call) and ray.startup_timeout_s"}
 
-    base: str = "tiny:tiny"  # the starting policy, from the CLI; flows pass the SFT checkpoint
-    data: DataConfig
-    eval_data: DataConfig | None = None
-    eval_steps: int = Field(0, ge=0)  # greedy held-out accuracy every N steps (and before the first, as step 0, and with the last); 0 = those two only
-    # what grades the held-out responses (stages.common.graders: a built-in name, module:function or file.py);
-    # unset: the reward source's scores (a reward model: its mean score)
-    eval_grader: str | None = None
-    rollout: RolloutConfig = RolloutConfig()
-    algo: AlgoConfig = AlgoConfig()
-    reward: RewardSourceConfig = RewardSourceConfig()
-    # learners: world_size ranks, zero_stage, micro_train_batch_size (sequences per forward) or
-    # max_tokens_per_micro_batch, train_batch_size (sequences per optimizer step; divides rollout_batch_size x n_samples)
-    train: RLTrainConfig = RLTrainConfig(zero_stage=3, train_batch_size=64, micro_train_batch_size=16, lr=1e-5)
-    lora: LoraConfig = LoraConfig()
-    critic: CriticConfig = CriticConfig()
-    ray: RayConfig = RayConfig()
-    cluster: ClusterConfig = ClusterConfig()  # cluster.address: join an existing Ray cluster instead of a private one
-    logging: LoggingConfig = LoggingConfig()  # logging.wandb: {project, ...}
-    max_steps: int = Field(10, ge=1)  # RL steps (rollout + update + sync)
-    log_rollouts_every: int = Field(0, ge=0)  # write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never
-    verify_sync: bool = True
-    sync_tolerance: float = Field(0.05, gt=0)  # mean |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)
-    # only probe tokens the learner gives at least this probability count (bf16 rounding moves the unlikely ones most)
-    sync_min_prob: float = Field(1e-3, ge=0, lt=1)
-    seed: int = 0
-    output_root: str = "runs"
+    base: str = Field("tiny:tiny", description="the starting policy, from the CLI; flows pass the SFT checkpoint")
+    data: DataConfig = Field(description="the training prompts (with labels for a reward function or agent)")
+    eval_data: DataConfig | None = Field(None, description="held-out prompts: greedy accuracy (or mean reward) at step 0, every eval_steps and after the last step")
+    eval_steps: int = Field(0, ge=0, description="greedy held-out accuracy every N steps (and before the first, as step 0, and with the last); 0 = those two only")
+    eval_grader: str | None = Field(None, description="what grades the held-out responses (stages.common.graders: a built-in name, module:function or file.py); unset: the reward source's scores (a reward model: its mean score)")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="sampling: batch, group size, lengths, the vLLM engines, async, agents")
+    algo: AlgoConfig = Field(AlgoConfig(), description="advantage estimator, policy loss, KL, shaping, IS correction, filtering")
+    reward: RewardSourceConfig = Field(RewardSourceConfig(), description="where rewards come from: a function (reward.func), an HTTP server (reward.url) or a reward model")
+    train: RLTrainConfig = Field(RLTrainConfig(zero_stage=3, train_batch_size=64, micro_train_batch_size=16, lr=1e-5), description="learners: world_size ranks, zero_stage, micro_train_batch_size (sequences per forward) or max_tokens_per_micro_batch, train_batch_size (sequences per optimizer step; divides rollout_batch_size x n_samples)")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters on the policy learners (the engines receive the merged weights)")
+    critic: CriticConfig = Field(CriticConfig(), description="PPO's critic (estimator gae)")
+    ray: RayConfig = Field(RayConfig(), description="the private Ray cluster's size and the driver's deadlines")
+    cluster: ClusterConfig = Field(ClusterConfig(), description="cluster.address: join an existing Ray cluster instead of a private one")
+    logging: LoggingConfig = Field(LoggingConfig(), description="logging.wandb: {project, ...}")
+    max_steps: int = Field(10, ge=1, description="RL steps (rollout + update + sync)")
+    log_rollouts_every: int = Field(0, ge=0, description="write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never")
+    verify_sync: bool = Field(True, description="check every weight push on a fixed probe (vLLM's log-probs against the learner's)")
+    sync_tolerance: float = Field(0.05, gt=0, description="mean |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)")
+    sync_min_prob: float = Field(1e-3, ge=0, lt=1, description="only probe tokens the learner gives at least this probability count (bf16 rounding moves the unlikely ones most)")
+    seed: int = Field(0, description="sampling and prompt order")
+    output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
 
     @model_validator(mode="after")
     def _check_sampling(self) -> RLConfig:

@@ -28,7 +28,7 @@ from typing import Any
 
 from checkpoints import CheckpointRef, commit, require_kind, staging, verify
 from checkpoints.state import commit_state, read_json_state, resumable_state, tag_of
-from datasets_prep.loading import check_prompt_label_row, load_rows
+from datasets_prep.loading import DataError, check_prompt_label_row, load_rows
 from stages.common.cluster import CallTimeout, Deadlines, ray_cluster  # noqa: F401  (CallTimeout: the stage's own error)
 from stages.common.progress import report_progress
 from stages.common.stage import (
@@ -43,9 +43,10 @@ from stages.common.stage import (
 )
 from stages.common.trainer import MetricsWriter, maybe_inject_fault
 from stages.rl.actors import Trainers, start_actors
+from stages.rl.algorithms import ADVANTAGE_ESTIMATORS
 from stages.rl.config import RLConfig
 from stages.rl.experience import KLController, StepPlan, make_experience
-from stages.rl.metrics import PhaseTimer, mean_kl, step_metrics
+from stages.rl.metrics import PhaseTimer, mean_kl, no_signal_reason, signal_metrics, step_metrics
 from stages.rl.rewards import EpisodeReward, ModelReward, TextReward, text_reward
 from stages.rl.sampler import Rollout, Sampler
 from stages.rl.weight_sync import SyncError, WeightSync  # noqa: F401  (SyncError: the stage's own error)
@@ -71,7 +72,7 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     rows = load_rows(config.data, check_prompt_label_row(config.data))
     eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
     if len(rows) < config.rollout.rollout_batch_size:
-        raise ValueError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
+        raise DataError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
     cpus = config.ray.num_cpus or max(os.cpu_count() or 1, config.train.world_size)
     with run.claimed() as run_dir, staging(run_dir / "checkpoint") as tmp, ray_cluster(
             config.cluster.address, cpus, config.cluster.ship_code, config.cluster.connect_timeout_s):
@@ -134,6 +135,9 @@ class RLLoop:
         self.cfg, self.plan, self.trainers, self.sampler, self.sync = cfg, plan, trainers, sampler, sync
         self.run_dir, self.eval_rows, self.grader = run_dir, eval_rows, grader
         self.kl = KLController(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+        self.silent: list[int] = []  # the steps in a row, up to now, with no learning signal
+        self.warning: str | None = None  # the last step's, for the progress artifact
+        self.stop: Exception | None = None  # what ends the run once the current step is logged
 
     def run(self) -> dict[str, Any]:
         from tqdm import tqdm
@@ -157,6 +161,9 @@ class RLLoop:
             elif cfg.eval_steps and (step + 1) % cfg.eval_steps == 0:
                 last.update(self.evaluate())
             self.finish_step(step + 1, last, writer)
+            if self.stop is not None:
+                writer.close()
+                raise self.stop
         writer.close()
         return {"initial_eval": initial, "final_eval": self.evaluate() if final is None else final,  # None: resumed at the end
                 "last_step": {"step": cfg.max_steps, **last} if last else {}}
@@ -173,7 +180,7 @@ class RLLoop:
     def finish_step(self, done: int, metrics: dict[str, float], writer) -> None:
         """Log the step's metrics, save the state on its cadence (not after the last step), then the test hook."""
         writer.write(done, metrics)
-        report_progress(done, self.cfg.max_steps, metrics)
+        report_progress(done, self.cfg.max_steps, metrics, warning=self.warning)
         save_steps = self.cfg.train.save_steps
         if save_steps and done % save_steps == 0 and done < self.cfg.max_steps:
             self.save_state(done)
@@ -195,7 +202,34 @@ class RLLoop:
         kl = mean_kl(exp, updates.pop("kl_sum", 0.0))
         if exp.kl is not None:
             self.kl.update(kl, len(rollout.samples.prompt_ids))
-        return step_metrics(rollout, exp, updates, kl, self.kl.value, sync, timer.total())
+        signal = self.check_signal(step + 1, exp)
+        return {**step_metrics(rollout, exp, updates, kl, self.kl.value, sync, timer.total()), **signal}
+
+    def check_signal(self, done: int, exp) -> dict[str, float]:
+        """The step's learning-signal metrics; a warning when it had none, and the stage's failure after
+        ``algo.max_steps_without_signal`` such steps in a row (a run that learns nothing must not look like one that
+        trained)."""
+        cfg, per = self.cfg, self.cfg.rollout.n_samples_per_prompt
+        group = ADVANTAGE_ESTIMATORS[cfg.algo.advantage_estimator].min_group > 1
+        metrics = signal_metrics(exp, per, group)
+        self.warning = None
+        if not metrics["no_signal"]:
+            self.silent = []
+            return metrics
+        self.silent.append(done)
+        reason = no_signal_reason(exp, per, group)
+        look = (f"look at the samples and their rewards (log_rollouts_every=1 writes {self.run_dir}/rollouts/step_N.jsonl) and "
+                f"at the reward source ({_reward_source(cfg)})")
+        self.warning = f"no learning signal at step {done}: {reason}, so every advantage is 0 and the policy did not move"
+        print(f"[rl] WARNING: {self.warning}; {look}", flush=True)
+        limit = cfg.algo.max_steps_without_signal
+        if limit and len(self.silent) >= limit:  # raised once the step is logged
+            self.stop = NoSignalError(
+                f"RL: no learning signal in {len(self.silent)} steps in a row (steps {self.silent[0]}-{done}; "
+                f"algo.max_steps_without_signal={limit}): {reason}, so {cfg.algo.advantage_estimator}'s advantages are all "
+                f"0 and the policy has not changed. {look[0].upper()}{look[1:]}; a task too hard for the starting policy "
+                "gives this too (a stronger SFT, more samples per prompt or a denser reward helps)")
+        return metrics
 
     def evaluate(self) -> dict[str, float]:
         return self.sampler.evaluate(self.eval_rows, self.grader)
@@ -246,8 +280,31 @@ class RLLoop:
                 f.write(json.dumps(row) + "\n")
 
 
+class NoSignalError(RuntimeError):
+    """RL steps in a row had no learning signal (every advantage 0): the run would return its input unchanged."""
+
+
+def _reward_source(cfg: RLConfig) -> str:
+    if cfg.rollout.agent:
+        return f"rollout.agent={cfg.rollout.agent}"
+    r = cfg.reward
+    return f"reward.func={r.func}" if r.func else f"reward.url={r.url}" if r.url else f"reward.model={r.model}"
+
+
 def main(argv: list[str] | None = None) -> None:
     print_result(SPEC, argv)
+
+
+def _preflight(config: RLConfig) -> None:
+    """Before any process starts: the reward function, agent and grader import, and every reward server accepts
+    connections."""
+    from stages.rl.rewards import check_reachable
+
+    if config.reward.func and not config.rollout.agent:
+        text_reward(config)
+    _plugins(config)
+    for url in config.reward.urls:
+        check_reachable(url, min(config.reward.timeout_s, 5.0))
 
 
 SPEC = StageSpec(
@@ -257,6 +314,7 @@ SPEC = StageSpec(
     output=trained_output(POLICY, ADAPTER),
     files=("data.paths", "eval_data.paths", "reward.func", "eval_grader", "rollout.agent"),
     plugins=("reward.func", "eval_grader", "rollout.agent"),
+    check=_preflight,
 )
 
 if __name__ == "__main__":

@@ -53,6 +53,31 @@ def rollout_logprob_diff(exp: Experience) -> float | None:
     return (s.rollout_logp[keep] - old[keep]).abs().mean().item() if keep.any() else 0.0
 
 
+def signal_metrics(exp: Experience, group_size: int, group_baseline: bool) -> dict[str, float]:
+    """Whether the step can teach the policy anything: ``zero_std_share``, the share of prompt groups whose (shaped)
+    rewards are all equal; ``zero_advantage_share``, the share of samples whose advantages are all 0; ``no_signal``
+    1.0 when the rewards give no direction (a group-baseline estimator: every group's rewards equal; another:
+    every reward of the step equal)."""
+    rewards = exp.shaped.float()
+    groups = rewards.view(-1, group_size)
+    flat = (groups.max(-1).values - groups.min(-1).values).abs() <= 1e-8
+    mask = exp.samples.response_mask.bool()
+    zero_adv = ((exp.advantages.abs() <= 1e-8) | ~mask).all(-1)
+    silent = bool(flat.all()) if group_baseline else float(rewards.max() - rewards.min()) <= 1e-8
+    return {"zero_std_share": flat.float().mean().item(), "zero_advantage_share": zero_adv.float().mean().item(),
+            "no_signal": float(silent)}
+
+
+def no_signal_reason(exp: Experience, group_size: int, group_baseline: bool) -> str:
+    """Why a step had no learning signal, in words (for the warning and the stage's error)."""
+    rewards = exp.shaped.float()
+    values = sorted({round(v, 6) for v in rewards.tolist()})
+    if len(values) == 1:
+        return f"every reward was {values[0]:g}"
+    return (f"every group of {group_size} samples got equal rewards (values seen: "
+            f"{', '.join(f'{v:g}' for v in values[:5])}{', ...' if len(values) > 5 else ''})")
+
+
 def step_metrics(rollout: Rollout, exp: Experience, updates: dict[str, float], kl: float, kl_coef: float,
                  sync: tuple[float, float], times: dict[str, float]) -> dict[str, float]:
     """Every scalar a step logs: rewards and scores, shaping, KL, lengths, the sampler's, the sync check's, the

@@ -30,6 +30,19 @@ class RewardError(RuntimeError):
     """A reward source failed or returned something unusable; the message names the source."""
 
 
+def check_reachable(url: str, timeout_s: float) -> None:
+    """A reward server accepts TCP connections at ``url``'s host and port (checked before any process starts)."""
+    import socket
+
+    u = urllib.parse.urlsplit(url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((u.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise RewardError(f"reward.url: {endpoint_name(url)}: nothing accepts connections at {u.hostname}:{port} "
+                          f"({e.strerror or e}); start the reward server first (checked before Ray and vLLM start)") from None
+
+
 def load_reward_func(ref: str) -> Callable[..., Any]:
     """``reward_func`` of a file, or the function a ``file.py:name`` / ``module:name`` reference names."""
     from stages.common.plugins import load_callable

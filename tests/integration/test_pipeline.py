@@ -307,7 +307,11 @@ def test_work_pool_deployment_run_with_a_parameter_override_and_a_retry_from_the
     from stages.common.launcher import free_port
 
     recipe = write_pipeline(tmp_path / "pipeline.yaml", task_files, tmp_path / "runs", with_dpo=True, with_sft=False)
-    pairs = tmp_path / "later" / "pairs.jsonl"  # the DPO data appears only after the first failure
+    # the DPO data is there but broken until after the first failure (a missing file would fail the plan before any
+    # stage: what the stage reads is found wrong only by the stage)
+    pairs = tmp_path / "later" / "pairs.jsonl"
+    pairs.parent.mkdir()
+    pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2"}) + "\n")
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2"}
     env.pop("RLHF_FAULT_STEP", None)
@@ -337,7 +341,6 @@ def test_work_pool_deployment_run_with_a_parameter_override_and_a_retry_from_the
             assert states() == {"base": ["Completed"], "dpo": ["Failed"]}
             assert "pairs.jsonl" in log.read_text()  # the stage's error names the file
 
-            pairs.parent.mkdir()
             shutil.copy(task_files["preference"], pairs)
             prefect_cli(env, "flow-run", "retry", run_id)
             deadline = time.time() + 300

@@ -205,6 +205,25 @@ def test_a_push_that_changes_nothing_is_caught_and_ray_is_cleaned_up(task_files,
     assert not list(tmp_path.glob("rl-*/checkpoint"))
 
 
+def test_a_run_that_learns_nothing_fails_and_says_why(task_files, micro_sft, tmp_path):
+    """Every reward 0: each GRPO group's rewards are equal, every advantage is 0 and the policy cannot move. Each such
+    step is logged (zero_std_share 1) and warned about; algo.max_steps_without_signal in a row fail the stage with
+    what happened and where to look, before anything is committed."""
+    func = tmp_path / "never.py"
+    func.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [0.0] * len(queries)}\n")
+    cfg = _config(task_files, tmp_path, func, "train.world_size=1", "train.zero_stage=2", "algo.max_steps_without_signal=2")
+    with pytest.raises(RuntimeError, match=r"RL: no learning signal in 2 steps in a row \(steps 1-2; algo.max_steps_without_signal=2\): "
+                                           r"every reward was 0, so group_norm's advantages are all 0 and the policy has not "
+                                           r"changed\. Look at the samples .*log_rollouts_every=1.* and at the reward source "
+                                           r"\(reward\.func=.*never\.py\)"):
+        run_rl(cfg, micro_sft)
+    (run_dir,) = tmp_path.glob("rl-*")
+    steps = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["zero_std_share"], s["zero_advantage_share"], s["no_signal"]) for s in steps] == [(1, 1.0, 1.0, 1.0), (2, 1.0, 1.0, 1.0)]
+    assert all(s["reward_mean"] == 0.0 and s["reward_std"] == 0.0 for s in steps)
+    assert not (run_dir / "checkpoint").exists() and ray_processes() == []
+
+
 def test_dynamic_filtering_keeps_the_batch_and_the_stop_penalty_and_is_correction_apply(task_files, micro_sft, tmp_path):
     """DAPO's filter on the toy reward: every trained group has a mean score strictly inside (0, 1), the batch
     keeps rollout_batch_size groups, the filtered share is logged; truncated responses get the stop-properly
@@ -226,6 +245,8 @@ def test_dynamic_filtering_keeps_the_batch_and_the_stop_penalty_and_is_correctio
         assert m["truncated_share"] == pytest.approx(sum(r["truncated"] for r in rows) / 32)
         assert m["shaped_reward_mean"] == pytest.approx(sum(shaped) / 32, abs=1e-6)
         assert abs(m["vllm_kl"]) < 1e-3, m["vllm_kl"]
+        # no group trained on has equal rewards: every one carries a learning signal
+        assert (m["zero_std_share"], m["no_signal"]) == (0.0, 0.0) and m["zero_advantage_share"] < 1
     assert any(m["filtered_share"] > 0 for m in steps), [m["filtered_share"] for m in steps]
     assert 0 < sum(m["truncated_share"] for m in steps) < 2  # both kinds of ending occur
 

@@ -37,7 +37,7 @@ def test_the_own_model_recipe_plans_offline_with_hub_ids(tmp_path, monkeypatch):
     p = plan(ROOT / "recipes/pipelines/own_model.yaml", output_root=str(tmp_path))
     by = {s.spec.name: s.config for s in p.stages}
     assert by["sft"].base == "Qwen/Qwen2.5-0.5B-Instruct" and by["rm"].data.paths == ["HuggingFaceH4/ultrafeedback_binarized"]
-    assert by["dpo"].data.score_keys == ("score_chosen", "score_rejected")
+    assert by["rm"].data.score_keys == ("score_chosen", "score_rejected")  # the margin: the RM's (DPO takes none)
     assert (by["rl"].data.subset, by["rl"].eval_grader, by["eval"].grader) == ("main", "math", "math")
     assert by["rl"].reward.func == "stages.common.graders:math_reward_func"
     assert not list(tmp_path.iterdir())  # nothing written, nothing fetched

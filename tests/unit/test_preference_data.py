@@ -98,3 +98,19 @@ def test_bad_pairs_are_named(tmp_path, tokenizer, row, message):
     path = _write(tmp_path / "p.jsonl", [{"prompt": "2+2", "chosen": "4", "rejected": "5"}, row])
     with pytest.raises(DataError, match=message):
         prepare_pairs(_cfg(path), tokenizer)
+
+
+HH = {"chosen": "\n\nHuman: what is 1+2?\n\nAssistant: 3", "rejected": "\n\nHuman: what is 1+2?\n\nAssistant: 4"}
+
+
+def test_transcripts_without_a_prompt_column_are_one_user_turn_or_used_as_they_are(tokenizer):
+    """HH-style transcripts (prompt_key: null): the prompt is the shared prefix up to the last prompt_marker. With
+    the chat template (the default) that prefix becomes one user turn; apply_chat_template: false keeps the
+    transcript's own role markers, the text as it is, and ends each response with the EOS token."""
+    wrapped = tokenize_pair(HH, tokenizer, _cfg("x", prompt_key=None))
+    assert tokenizer.decode(wrapped.prompt_ids) == "<|bos|><|user|>\n\nHuman: what is 1+2?\n\nAssistant:<|end|><|assistant|>"
+    assert tokenizer.decode(wrapped.chosen_ids) == " 3<|end|>"
+    plain = tokenize_pair(HH, tokenizer, _cfg("x", prompt_key=None, apply_chat_template=False))
+    assert plain.prompt_ids == tokenizer("\n\nHuman: what is 1+2?\n\nAssistant:", add_special_tokens=False)["input_ids"]
+    assert plain.chosen_ids == tokenizer(" 3" + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    assert plain.rejected_ids == tokenizer(" 4" + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
