@@ -216,7 +216,7 @@ def cli_run(spec: StageSpec, argv: list[str] | None = None) -> Any:
     fields; the result. A mistake in what was given is one line on stderr (exit code 2)."""
     from stages.common.cli import run_cli
 
-    prog = f"python -m {spec.modules[0].removesuffix('.driver')}"
+    prog = f"python -m stages.{spec.name}"  # every stage's command is its name under stages/
     return run_cli(prog, argv, lambda args: _cli_body(spec, args), spec.config)
 
 
