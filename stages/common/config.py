@@ -7,7 +7,6 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
 _MISSING = object()
 
 
@@ -36,8 +35,8 @@ def default_at(model: type[BaseModel], dotted: str) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
-    norm = (lambda v: list(v) if isinstance(v, tuple) else v)
-    return norm(a) == norm(b)
+    """Equal as JSON sees them (a tuple default and the list a config file gives)."""
+    return (list(a) if isinstance(a, tuple) else a) == (list(b) if isinstance(b, tuple) else b)
 
 
 class StageConfig(BaseModel):
