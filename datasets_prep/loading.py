@@ -167,14 +167,19 @@ def looks_local(path: str) -> bool:
     return Path(path).suffix.lower() in _FILE_BUILDERS or path.startswith((".", "/", "~"))
 
 
+def looked_for(p: Path) -> str:
+    """Where a missing path was looked for, for an error: its absolute form and, if relative, against what."""
+    where = "" if p.is_absolute() else f"; relative paths resolve against the working directory {Path.cwd()}"
+    return f"looked for {p.resolve()}{where}"
+
+
 def check_path(path: str, field: str) -> None:
     """A data path that names a local file must exist (checked before any stage process starts); the error says
     where a relative path was looked for."""
     p = Path(path).expanduser()
     if p.exists() or not looks_local(path):
         return
-    where = "" if p.is_absolute() else f"; relative paths resolve against the working directory {Path.cwd()}"
-    raise DataError(f"{field}: {path}: file not found (looked for {p.resolve()}{where})")
+    raise DataError(f"{field}: {path}: file not found ({looked_for(p)})")
 
 
 def load_source(path: str, split: str = "train", subset: str | None = None):

@@ -20,6 +20,7 @@ last update when the stage ends, also when it fails.
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 from typing import Any
 
@@ -32,7 +33,7 @@ from flows.curves import Curves
 from stages import registry
 from stages.common.launcher import StageFailed, launch
 from stages.common.progress import read_progress
-from stages.common.stage import StageRun, unchanged_inputs
+from stages.common.stage import StageRun, warn_if_unchanged
 from stages.eval import EvalReport
 
 
@@ -130,9 +131,7 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
     publish(100.0, read_progress(progress_file)[1])
     result = spec.result.model_validate(out)
     print(f"[{name}] {run.stage} -> {result.markdown if isinstance(result, EvalReport) else result.path}")
-    for unchanged in unchanged_inputs(result, inputs):  # in the task's log, where the flow's user looks
-        print(f"[{name}] WARNING: the output checkpoint has the same content digest as its input {unchanged!r} "
-              f"({result.digest[:16]}): this run did not change the weights")
+    warn_if_unchanged(name, result, inputs, sys.stdout)  # in the task's log (its prints), where the flow's user looks
     return result
 
 

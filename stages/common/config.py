@@ -18,22 +18,6 @@ def given(data: Any, dotted: str) -> Any:
     return data[leaf] if isinstance(data, Mapping) and leaf in data else _MISSING
 
 
-def default_at(model: type[BaseModel], dotted: str) -> Any:
-    """The default of the field at ``dotted`` (inside a section's default instance where it has one)."""
-    value: Any = _MISSING
-    for part in dotted.split("."):
-        if isinstance(value, BaseModel):
-            model, value = type(value), getattr(value, part)
-            continue
-        info = model.model_fields[part]
-        value = info.get_default(call_default_factory=True)
-        if not isinstance(value, BaseModel):
-            from stages.common.cli import model_of
-
-            model = model_of(info.annotation) or model
-    return value
-
-
 def _same(a: Any, b: Any) -> bool:
     """Equal as JSON sees them (a tuple default and the list a config file gives)."""
     return (list(a) if isinstance(a, tuple) else a) == (list(b) if isinstance(b, tuple) else b)
@@ -51,9 +35,11 @@ class StageConfig(BaseModel):
     @classmethod
     def _refuse_unused(cls, data: Any) -> Any:
         for dotted, instead in cls.UNUSED.items():
+            from stages.common.cli import find_field
+
             value = given(data, dotted)
-            # its default passes (a whole config written out, e.g. to a rank's job file, carries every field)
-            if value is not _MISSING and not _same(value, default_at(cls, dotted)):
+            # its default (inside the section's default instance: RL's train) passes (a whole config written out, e.g. to a rank's job file, carries every field)
+            if value is not _MISSING and not _same(value, find_field(cls, dotted)[3]):
                 raise ValueError(f"{dotted}: {value!r}: this stage does not read it; {instead}")
         return data
 

@@ -45,8 +45,9 @@ def load_module(ref: str, what: str, error: type[Exception] = PluginError):
     if is_file:
         p = Path(head)
         if not p.is_file():
-            where = "" if p.is_absolute() else f"; relative paths resolve against the working directory {Path.cwd()}"
-            raise error(f"{what} {ref}: not found (looked for {p.resolve()}{where})")
+            from datasets_prep.loading import looked_for
+
+            raise error(f"{what} {ref}: not found ({looked_for(p)})")
         spec = importlib.util.spec_from_file_location(f"user_plugin_{abs(hash(str(p.resolve())))}", p)
         module = importlib.util.module_from_spec(spec)
         try:

@@ -86,12 +86,14 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
 
 def _unknown_key_hint(model: type[BaseModel], loc: tuple) -> str:
     """A "did you mean" for an unknown key at ``loc``: the closest key of the section it sits in."""
-    from stages.common.cli import did_you_mean, field_key, model_of
+    from stages.common.cli import did_you_mean, field_key, find_field
 
     current: type[BaseModel] | None = model
-    for part in loc[:-1]:
-        fields = {field_key(n, i): i for n, i in current.model_fields.items()} if current is not None else {}
-        current = model_of(fields[part].annotation) if part in fields else None
+    if len(loc) > 1:
+        try:
+            current = find_field(model, ".".join(map(str, loc[:-1])))[2]
+        except RecipeError:  # inside an unknown section: nothing to suggest from
+            return ""
     if current is None:
         return ""
     return did_you_mean(str(loc[-1]), [field_key(n, i) for n, i in current.model_fields.items()])

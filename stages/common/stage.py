@@ -205,10 +205,11 @@ def unchanged_inputs(result: Any, inputs: Mapping[str, InputValue]) -> list[str]
     return [name for name, ref in inputs.items() if isinstance(ref, CheckpointRef) and ref.digest == result.digest]
 
 
-def warn_if_unchanged(stage: str, result: Any, inputs: Mapping[str, InputValue]) -> None:
+def warn_if_unchanged(label: str, result: Any, inputs: Mapping[str, InputValue], file: Any = None) -> None:
+    """Say so when the output is one of its inputs (``file``: default stderr, beside a CLI's JSON on stdout)."""
     for name in unchanged_inputs(result, inputs):
-        print(f"[{stage}] WARNING: the output checkpoint has the same content digest as its input {name!r} "
-              f"({result.digest[:16]}): this run did not change the weights", file=sys.stderr, flush=True)
+        print(f"[{label}] WARNING: the output checkpoint has the same content digest as its input {name!r} "
+              f"({result.digest[:16]}): this run did not change the weights", file=file or sys.stderr, flush=True)
 
 
 def cli_run(spec: StageSpec, argv: list[str] | None = None) -> Any:

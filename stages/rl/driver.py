@@ -217,7 +217,7 @@ class RLLoop:
             self.silent = []
             return metrics
         self.silent.append(done)
-        reason = no_signal_reason(exp, per, group)
+        reason = no_signal_reason(exp, per)
         look = (f"look at the samples and their rewards (log_rollouts_every=1 writes {self.run_dir}/rollouts/step_N.jsonl) and "
                 f"at the reward source ({_reward_source(cfg)})")
         self.warning = f"no learning signal at step {done}: {reason}, so every advantage is 0 and the policy did not move"

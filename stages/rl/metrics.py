@@ -68,8 +68,9 @@ def signal_metrics(exp: Experience, group_size: int, group_baseline: bool) -> di
             "no_signal": float(silent)}
 
 
-def no_signal_reason(exp: Experience, group_size: int, group_baseline: bool) -> str:
-    """Why a step had no learning signal, in words (for the warning and the stage's error)."""
+def no_signal_reason(exp: Experience, group_size: int) -> str:
+    """Why a step had no learning signal, in words (for the warning and the stage's error): one reward value for
+    the whole step, or equal rewards within each group (only a group-baseline estimator lacks signal then)."""
     rewards = exp.shaped.float()
     values = sorted({round(v, 6) for v in rewards.tolist()})
     if len(values) == 1:

@@ -145,13 +145,13 @@ def test_no_signal_metrics_and_their_reason():
 
     silent = exp([0.0, 0.0, 0.0, 0.0], [0, 0, 0, 0])
     assert signal_metrics(silent, 2, True) == {"zero_std_share": 1.0, "zero_advantage_share": 1.0, "no_signal": 1.0}
-    assert no_signal_reason(silent, 2, True) == "every reward was 0"
+    assert no_signal_reason(silent, 2) == "every reward was 0"
     half = exp([1.0, 0.0, 1.0, 1.0], [0.7, -0.7, 0, 0])
     assert signal_metrics(half, 2, True) == {"zero_std_share": 0.5, "zero_advantage_share": 0.5, "no_signal": 0.0}
     flat_groups = exp([1.0, 1.0, 0.0, 0.0], [0, 0, 0, 0])
     assert signal_metrics(flat_groups, 2, True)["no_signal"] == 1.0  # GRPO: each group alike -> nothing to learn
     assert signal_metrics(flat_groups, 2, False)["no_signal"] == 0.0  # REINFORCE++: the batch still has two values
-    assert no_signal_reason(flat_groups, 2, True) == "every group of 2 samples got equal rewards (values seen: 0, 1)"
+    assert no_signal_reason(flat_groups, 2) == "every group of 2 samples got equal rewards (values seen: 0, 1)"
 
 
 def test_the_progress_artifact_shows_a_step_warning(tmp_path, monkeypatch):
