@@ -53,6 +53,40 @@ def ray_get(refs, what: str, timeout_s: float, setting: str = "ray.call_timeout_
     return out if many else out[0]
 
 
+class ActorFailed(RuntimeError):
+    """An actor's call failed (or the actor died) while others of the same exchange were still waiting on it."""
+
+
+def ray_get_together(groups: list[tuple[str, list]], timeout_s: float, setting: str = "ray.call_timeout_s",
+                     stage: str = "RL stage") -> list[list]:
+    """Wait for the calls of several groups that wait on each other (a broadcast's sender and receivers): the first
+    call to fail ends the wait at once, naming its role and rank, instead of leaving the driver on the calls blocked
+    by it; past ``timeout_s`` the calls still pending are named. ``groups``: ``(role.method, refs in rank order)``."""
+    import time
+
+    import ray
+
+    where = {ref: (what, i, len(refs)) for what, refs in groups for i, ref in enumerate(refs)}
+    pending, deadline = list(where), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = "; ".join(f"{what.partition('.')[0]} rank(s) {[i for r, (w, i, _) in where.items() if w == what and r in pending]} "
+                             f"of {n} to {what.partition('.')[2]}" for what, n in {w: n for w, _, n in where.values()}.items()
+                             if any(where[r][0] == what for r in pending))
+            raise CallTimeout(f"{stage}: no answer within {timeout_s:g} s ({setting}) from {late}; stopping the stage and "
+                              "its Ray cluster")
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001  (the actor's error or death, named)
+                what, i, n = where[ref]
+                role, _, method = what.partition(".")
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise ActorFailed(f"{stage}: {role} rank {i} of {n} failed during {method}: {type(e).__name__}: {first}") from e
+    return [ray.get(refs) for _, refs in groups]
+
+
 @dataclass(frozen=True)
 class Deadlines:
     """The two deadlines of a stage's waits on its actors: starting up (model loads, engine start) and each call."""
@@ -66,9 +100,16 @@ class Deadlines:
     def startup(self, refs, what: str):
         return ray_get(refs, what, self.startup_s, "ray.startup_timeout_s") if refs else []
 
+    def together(self, groups: list[tuple[str, list]], starting: bool = False) -> list[list]:
+        """:func:`ray_get_together` under the call deadline (``starting``: the startup one)."""
+        if starting:
+            return ray_get_together(groups, self.startup_s, "ray.startup_timeout_s")
+        return ray_get_together(groups, self.call_s, "ray.call_timeout_s")
+
 
 ACTOR_ENV = ("TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "VLLM_CPU_KVCACHE_SPACE",
-             "RLHF_FAULT_STEP", "RLHF_FAULT_RANK", "RLHF_FAULT_MODE", "RLHF_FAULT_HANG")
+             "RLHF_FAULT_STEP", "RLHF_FAULT_RANK", "RLHF_FAULT_MODE", "RLHF_FAULT_HANG",
+             "RLHF_FAULT_ENGINE_DIES")
 
 
 def actor_env(threads: int | None = None) -> dict[str, str]:
@@ -217,24 +258,28 @@ class Placement:
     """One placement group for a stage's actors and the options that put each actor in its bundle.
 
     CPU: one 1-CPU bundle per trainer rank; engines, critic ranks and any helper take no CPU reservation (they
-    run while the trainer ranks wait). GPU: one GPU per trainer rank and per critic rank, and per engine
-    ``tp`` GPUs of their own, or with ``colocate`` shares of the trainer ranks' GPUs. On a user's cluster
+    run while the trainer ranks wait). GPU: one GPU per trainer rank, per critic rank and for the reward-model
+    scorer, and per engine ``tp`` GPUs of their own; or with ``colocate`` shares of the trainer ranks' GPUs (each
+    GPU: its learner 1/4, its engines 1/2, its critic rank 1/8, the scorer 1/8 of rank 0's). On a user's cluster
     (``remote``) the engines have bundles of their own on CPU too (a CPU each), so that they may be placed on other
     nodes than the learners (``strategy``: Ray's placement strategy).
     """
 
     def __init__(self, ranks: int, engines: int, tp: int, critics: int, colocate: bool, gpu: bool, deadlines: Deadlines,
-                 strategy: str = "PACK", remote: bool = False):
+                 strategy: str = "PACK", remote: bool = False, scorer: bool = False):
         from ray.util.placement_group import placement_group
 
         self.ranks, self.engines, self.tp, self.critics, self.colocate, self.gpu = ranks, engines, tp, critics, colocate, gpu
         self.own_engines = not colocate and (gpu or remote)
         self.own_critics = gpu and not colocate
+        self.own_scorer = gpu and not colocate and scorer
         bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(ranks)]
         if self.own_engines:
             bundles += [{"GPU": tp} if gpu else {"CPU": 1} for _ in range(engines)]
         if self.own_critics:
             bundles += [{"GPU": 1} for _ in range(critics)]
+        if self.own_scorer:
+            bundles.append({"GPU": 1})
         self.bundles = len(bundles)
         self.pg = placement_group(bundles, strategy=strategy)
         deadlines.startup(self.pg.ready(), "placement group")
@@ -243,8 +288,7 @@ class Placement:
         return bundle_at(self.pg, bundle)
 
     def rank(self, r: int) -> dict:
-        share = 0.5 if not self.critics else 0.25
-        return {"num_cpus": 1, "num_gpus": (share if self.colocate else 1) if self.gpu else 0, **self._at(r)}
+        return {"num_cpus": 1, "num_gpus": (0.25 if self.colocate else 1) if self.gpu else 0, **self._at(r)}
 
     def engine(self, i: int) -> dict:
         if self.own_engines:
@@ -254,7 +298,13 @@ class Placement:
     def critic(self, r: int) -> dict:
         if self.own_critics:
             return {"num_cpus": 0, "num_gpus": 1, **self._at(self.ranks + self.engines + r)}
-        return {"num_cpus": 0, "num_gpus": 0.25 if self.gpu else 0, **self._at(r % self.ranks)}
+        return {"num_cpus": 0, "num_gpus": 0.125 if self.gpu else 0, **self._at(r % self.ranks)}
+
+    def scorer(self) -> dict:
+        """The reward-model scorer: a GPU of its own, a share of rank 0's, or (CPU) no reservation beside rank 0."""
+        if self.own_scorer:
+            return {"num_cpus": 0, "num_gpus": 1, **self._at(self.bundles - 1)}
+        return {"num_cpus": 0, "num_gpus": 0.125 if self.gpu else 0, **self._at(0)}
 
 
 def start_group(cls, n: int, opts: Callable[[int], dict], env: dict[str, str], deadlines: Deadlines,

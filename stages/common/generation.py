@@ -5,18 +5,58 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+OWN_GPU_MEMORY = 0.9  # vLLM's own default: the engine has its GPUs to itself
+COLOCATED_GPU_MEMORY = 0.4  # beside learners on the same GPUs (they keep their states there)
 
-def make_llm(
+
+def engine_args(
     model_path: str,
     *,
+    gpu: bool,
     seed: int = 0,
     max_model_len: int = 512,
     dtype: str = "bfloat16",
-    gpu_memory_utilization: float = 0.3,
+    tensor_parallel_size: int = 1,
+    enforce_eager: bool | None = None,
+    gpu_memory_utilization: float | None = None,
+    colocated: bool = False,
+    enable_sleep: bool = False,
     worker_extension_cls: str | None = None,
     logprobs_mode: str = "raw_logprobs",
-):
-    """An in-process ``vllm.LLM`` (no engine subprocess: starts in seconds and dies with its process).
+) -> dict:
+    """The ``vllm.LLM`` arguments of an engine on GPUs (``gpu``) or on the CPU build: one construction for both.
+
+    - tensor parallelism: ``tensor_parallel_size > 1`` runs the workers as processes of vLLM's multiprocess
+      executor (each loads its shard; every GPU of the engine's actor on one node); 1 runs the worker in-process.
+    - CUDA graphs on GPU unless ``enforce_eager``; the CPU build always runs eager.
+    - ``gpu_memory_utilization``: the share of each GPU the engine takes (weights and KV cache); default
+      ``OWN_GPU_MEMORY``, or ``COLOCATED_GPU_MEMORY`` beside learners.
+    - ``enable_sleep``: vLLM's sleep mode (GPU only), so the engine can free its memory between generations.
+    """
+    args = dict(
+        model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+        enforce_eager=True if not gpu else bool(enforce_eager),
+        worker_extension_cls=worker_extension_cls or "", logprobs_mode=logprobs_mode,
+    )
+    if gpu:
+        default = COLOCATED_GPU_MEMORY if colocated else OWN_GPU_MEMORY
+        args["gpu_memory_utilization"] = gpu_memory_utilization if gpu_memory_utilization is not None else default
+        if enable_sleep:
+            args["enable_sleep_mode"] = True
+    else:
+        # vLLM's CPU runner fails on a seeded request whose prefill is split across steps (it rewinds the
+        # request's generator with set_offset, which CPU generators lack: "CPU Generator does not use
+        # offset"), and every sampled request here is seeded; so on CPU a prompt is prefilled whole, in a
+        # later step when the step's token budget is spent (tests/integration/test_vllm.py)
+        args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+    return args
+
+
+def make_llm(model_path: str, **settings):
+    """An in-process ``vllm.LLM`` (no engine-core subprocess: starts in seconds and dies with its process) with
+    :func:`engine_args` for this machine (``settings``: its keyword arguments but ``gpu``).
 
     ``logprobs_mode="processed_logprobs"``: sampled tokens' log-probs after temperature (what the RL
     learners train on); prompt log-probs (:func:`sequence_logprobs`) stay raw either way."""
@@ -24,28 +64,14 @@ def make_llm(
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tiny models need far less
+    gpu = torch.cuda.is_available()
+    if not gpu and settings.get("tensor_parallel_size", 1) > 1:
+        # the CPU build pins each TP worker's threads to a NUMA node of its own unless told not to; the engines
+        # here share the machine's cores with the learners (they take turns)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
 
-    kwargs = {}
-    if torch.cuda.is_available():
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    else:
-        # vLLM's CPU runner fails on a seeded request whose prefill is split across steps (it rewinds the
-        # request's generator with set_offset, which CPU generators lack: "CPU Generator does not use
-        # offset"), and every sampled request here is seeded; so on CPU a prompt is prefilled whole, in a
-        # later step when the step's token budget is spent (tests/integration/test_vllm.py)
-        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
-    return LLM(
-        model=model_path,
-        dtype=dtype,
-        seed=seed,
-        max_model_len=max_model_len,
-        enforce_eager=True,
-        distributed_executor_backend="uni",
-        worker_extension_cls=worker_extension_cls or "",
-        logprobs_mode=logprobs_mode,
-        **kwargs,
-    )
+    return LLM(**engine_args(model_path, gpu=gpu, **settings))
 
 
 @dataclass

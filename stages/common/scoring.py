@@ -48,10 +48,14 @@ class RewardModelScorer:
     (``normalize=None``: when the config has them).
     """
 
-    def __init__(self, path: str, normalize: bool | None, batch_size: int = 64):
+    def __init__(self, path: str, normalize: bool | None, batch_size: int = 64, dtype: str = "fp32"):
+        """On the process's GPU when it sees one (a Ray actor given a GPU share), else the CPU; ``dtype``: bf16 or
+        fp32 (the RL stage passes its learners' on GPUs, fp32 on CPU, where bf16 scores differ between CPUs)."""
         from transformers import AutoModelForSequenceClassification
 
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32).eval()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).to(self.device).eval()
         cfg = self.model.config
         self.pad = cfg.pad_token_id
         self.batch_size = batch_size
@@ -73,7 +77,7 @@ class RewardModelScorer:
                 for j, s in enumerate(chunk):
                     ids[j, : len(s)] = torch.tensor(s)
                     mask[j, : len(s)] = 1
-                out += score_padded(self.model, ids, mask).tolist()
+                out += score_padded(self.model, ids.to(self.device), mask.to(self.device)).float().cpu().tolist()
         if self.norm is not None:
             out = [(s - self.norm[0]) / self.norm[1] for s in out]
         return out

@@ -31,14 +31,29 @@ STATE_DIR = "state"
 _LISTENERS: list = []  # rank 0's bound rendezvous socket, kept open for the store's lifetime
 
 
-def init_distributed() -> None:
-    """Join the group described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (gloo on CPU, NCCL on GPU).
-
-    Rank 0's rendezvous store listens on MASTER_ADDR only (torch's own store binds every interface): the
-    socket is bound here and handed to ``TCPStore``. With a loopback MASTER_ADDR the collectives' own
-    sockets stay on loopback too (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME=lo`` unless set).
-    """
+def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout):
+    """The TCP store a group meets at: rank 0 serves it on ``host`` only (torch's own store binds every
+    interface, so the socket is bound here and handed to ``TCPStore``), the other ranks connect to it. With a
+    loopback ``host`` the collectives' own sockets stay on loopback too (``GLOO_SOCKET_IFNAME``/
+    ``NCCL_SOCKET_IFNAME=lo`` unless set)."""
     import socket
+
+    import torch.distributed as dist
+
+    if host in ("127.0.0.1", "localhost", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=max(128, world_size))
+    _LISTENERS.append(listener)
+    return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=listener.fileno())
+
+
+def init_distributed() -> None:
+    """Join the group described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (gloo on CPU, NCCL on GPU),
+    meeting at :func:`rendezvous_store` (rank 0's store listens on MASTER_ADDR only)."""
     from datetime import timedelta
 
     import deepspeed
@@ -51,18 +66,8 @@ def init_distributed() -> None:
     if not dist.is_initialized():
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if host in ("127.0.0.1", "localhost", "::1"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         timeout = timedelta(seconds=float(os.environ.get("RLHF_RENDEZVOUS_TIMEOUT_S", "600")))
-        if rank == 0:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            listener = socket.create_server((host, port), family=family, backlog=max(128, world_size))
-            _LISTENERS.append(listener)
-            store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
-                                  master_listen_fd=listener.fileno())
-        else:
-            store = dist.TCPStore(host, port, world_size, False, timeout)
+        store = rendezvous_store(host, port, rank, world_size, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend)
 
@@ -261,6 +266,13 @@ def maybe_inject_fault(step: int, rank: int, after: str | None = None) -> None:
 def injected(hook: str) -> bool:
     """Test hook: whether the environment variable ``hook`` (e.g. RLHF_FAULT_SKIP_PUSH) is set to 1."""
     return os.environ.get(hook) == "1"
+
+
+def injected_step(hook: str, who: int) -> int | None:
+    """Test hook: ``hook=WHO:N`` (e.g. RLHF_FAULT_ENGINE_DIES=1:3) gives ``N`` to ``who`` (an actor's index), else None."""
+    value = os.environ.get(hook, "")
+    target, _, n = value.partition(":")
+    return int(n) if value and int(target) == who else None
 
 
 def hang() -> None:

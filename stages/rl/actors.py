@@ -26,7 +26,7 @@ from stages.common.cluster import (
 )
 from stages.rl.config import RLConfig
 from stages.rl.experience import Experience, Forward, Samples, StepPlan, updates_of
-from stages.rl.rollout import EnginePool
+from stages.rl.rollout import EnginePool, engine_settings
 
 
 @dataclass
@@ -37,9 +37,19 @@ class Trainers:
     learners: list
     critics: list
     deadlines: Deadlines
+    gpu: bool = False  # the actors run on GPUs
 
     def call(self, refs, what: str):
         return self.deadlines.call(refs, what)
+
+    def offload(self) -> None:
+        """``train.enable_sleep``: every learner's states to host memory while the engines generate."""
+        if self.cfg.train.enable_sleep:
+            self.call([lr.offload_states.remote() for lr in self.learners], "learner.offload_states")
+
+    def reload(self) -> None:
+        if self.cfg.train.enable_sleep:
+            self.call([lr.reload_states.remote() for lr in self.learners], "learner.reload_states")
 
     def forward(self, samples: Samples, plan: StepPlan) -> Forward:
         """The no-grad passes the plan asks for: old and reference log-probs (learners), values (critic)."""
@@ -130,8 +140,9 @@ def start_actors(cfg: RLConfig, plan: StepPlan, policy_path: str, critic_path: s
 
     n, ro = cfg.train.world_size, cfg.rollout
     gpu, remote = uses_gpu(cfg.cluster.gpu), bool(cfg.cluster.address)
+    cfg.check_device(gpu)
     place = Placement(n, ro.num_engines, ro.tensor_parallel_size, n if plan.values else 0, cfg.ray.colocate_all, gpu, deadlines,
-                      cfg.cluster.strategy, remote)
+                      cfg.cluster.strategy, remote, scorer=bool(reward_model_path))
     if remote:
         inputs = [p for p in (policy_path, critic_path, reward_model_path) if p]
         check_storage(place.pg, place.bundles, run_dir, inputs, cfg.cluster.connect_timeout_s)
@@ -143,8 +154,9 @@ def start_actors(cfg: RLConfig, plan: StepPlan, policy_path: str, critic_path: s
     frozen = cfg.critic.freezing_steps if plan.values else 0
 
     def start_engines() -> list:
+        settings = engine_settings(cfg, colocated=gpu and cfg.ray.colocate_all)
         return [ray.remote(RolloutEngine).options(runtime_env={"env_vars": engine_env}, **place.engine(i)).remote(
-                    policy_path, seed=cfg.seed + i, dtype=ro.dtype, max_model_len=ro.max_model_len)
+                    policy_path, index=i, seed=cfg.seed + i, settings=settings)
                 for i in range(ro.num_engines)]
 
     engines_wait = gpu and cfg.ray.colocate_all
@@ -161,7 +173,7 @@ def start_actors(cfg: RLConfig, plan: StepPlan, policy_path: str, critic_path: s
     write_placement(run_dir / "placement.json", {"learners": learner_nodes, "critics": critic_nodes,
                                                   "engines": deadlines.startup([e.node.remote() for e in engines], "engine.node")})
     scorer = None
-    if reward_model_path:  # the reward model is served from its own actor, sharing the CPUs like vLLM
-        scorer = (ray.remote(num_cpus=0)(RewardModelScorer).options(runtime_env={"env_vars": engine_env})
-                  .remote(reward_model_path, cfg.algo.normalize_reward))
-    return (Trainers(cfg, learners, critics, deadlines), EnginePool(engines, deadlines.call, ro.max_new_tokens), scorer)
+    if reward_model_path:  # the reward model is served from its own actor: on GPUs in the learners' dtype, on CPU in fp32
+        scorer = (ray.remote(RewardModelScorer).options(runtime_env={"env_vars": engine_env}, **place.scorer())
+                  .remote(reward_model_path, cfg.algo.normalize_reward, dtype=cfg.train.dtype if gpu else "fp32"))
+    return Trainers(cfg, learners, critics, deadlines, gpu), EnginePool(engines, deadlines.call, ro.max_new_tokens, sleeps=ro.enable_sleep), scorer

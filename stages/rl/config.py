@@ -18,6 +18,7 @@ from stages.common.config import (
     TrainConfig,
     section_unused,
 )
+from stages.common.recipe import RecipeError
 from stages.rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
@@ -26,6 +27,12 @@ from stages.rl.algorithms import (
     POLICY_LOSSES,
     lookup,
 )
+
+
+def getattr_dotted(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def endpoint_name(url: str) -> str:
@@ -58,7 +65,10 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(1.0, description="sampling temperature: the learners and the reference divide their logits by it, so the policy trained on is the one sampled from (as OpenRLHF); vLLM reports the tempered log-probs for rollout_logprob_diff")
     top_p: float = Field(1.0, description="nucleus sampling: 1.0 only. Training on top-p samples would need the truncated distribution's log-probs on the learners too (not implemented), so other values are refused by name")
     num_engines: int = Field(1, ge=1, description="vLLM engines (each a Ray actor)")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPU only; the CPU build runs TP 1")
+    tensor_parallel_size: int = Field(1, ge=1, description="each engine's tensor-parallel workers (vLLM's multiprocess executor; on GPUs: that many GPUs of one node per engine, each worker loading its shard of every weight push)")
+    enforce_eager: bool | None = Field(None, description="null: CUDA graphs on GPUs (vLLM's default), eager on CPU (the CPU build has no CUDA graphs); true: eager everywhere (less memory, slower decoding); false on CPU is refused")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="the share of each GPU an engine takes for weights and KV cache; null: 0.9 on GPUs of its own, 0.4 beside the learners (ray.colocate_all). GPU only")
+    enable_sleep: bool = Field(False, description="OpenRLHF's --vllm_enable_sleep (hybrid engine): with ray.colocate_all on GPUs, each engine sleeps (vLLM sleep mode level 2: weights and KV cache freed) while the learners train and wakes before the next weight push, which reloads every weight anyway. Refused on CPU and with rollout.async")
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="the vLLM engines' dtype")
     max_model_len: int = Field(512, ge=1, description="prompt + response tokens the engines hold")
     async_: bool = Field(False, alias="async", description="async training (OpenRLHF's async_enable): the engines generate the next max_staleness steps' samples while the learners train, each step's batch sampled by weights up to max_staleness updates old; the engine's log-probs are kept for the IS correction (algo.is_correction, which async runs should set)")
@@ -190,8 +200,19 @@ class RayConfig(BaseModel):
         return data
 
 
+class SyncConfig(BaseModel):
+    """How the learners' weights reach the engines after every update (``stages.rl.weight_sync``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    transport: Literal["broadcast", "object_store"] = Field("broadcast", description="broadcast: learner rank 0 and every engine worker form one process group and the weights are broadcast tensor by tensor (ZeRO-3 gathered one module at a time), each worker loading them as they arrive; object_store: rank 0 puts the whole state dict in Ray's object store as safetensors bytes and every engine loads it (for engines that can't join a group)")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="the broadcast's process-group backend (OpenRLHF's vllm_sync_backend): auto is NCCL on GPUs, gloo on CPU; gloo on GPUs sends through host memory")
+
+
 class RLTrainConfig(TrainConfig):
     """The learners' settings: the shared ones, plus micro-batches sized by tokens (OpenRLHF's dynamic batch)."""
+
+    enable_sleep: bool = Field(False, description="OpenRLHF's --deepspeed_enable_sleep (hybrid engine): with ray.colocate_all on GPUs and ZeRO-3, each learner moves its parameters and optimizer states to host memory while the engines generate and back before training. Refused on CPU (they are in host memory already)")
 
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="when set: each rank's share of an optimizer step is sorted by length and cut into micro-batches of at most this many positions (rows x the longest row, the padded size a forward computes), instead of micro_train_batch_size rows; every rank runs the same number of micro-batches (ZeRO-3 forwards are collective). On a 2-core CPU ~2-4k positions keep the activations in cache (bench/rl_step.py)")
 
@@ -220,6 +241,7 @@ class RLConfig(StageConfig):
     logging: LoggingConfig = Field(LoggingConfig(), description="logging.wandb: {project, ...}")
     max_steps: int = Field(10, ge=1, description="RL steps (rollout + update + sync)")
     log_rollouts_every: int = Field(0, ge=0, description="write a step's samples to rollouts/step_N.jsonl every N steps; 0 = never")
+    sync: SyncConfig = Field(SyncConfig(), description="how weights reach the engines: a process-group broadcast (default) or Ray's object store")
     verify_sync: bool = Field(True, description="check every weight push on a fixed probe (vLLM's log-probs against the learner's)")
     sync_tolerance: float = Field(0.05, gt=0, description="mean |log-prob difference| vLLM vs learner on the probe (bf16 vLLM)")
     sync_min_prob: float = Field(1e-3, ge=0, lt=1, description="only probe tokens the learner gives at least this probability count (bf16 rounding moves the unlikely ones most)")
@@ -243,6 +265,44 @@ class RLConfig(StageConfig):
                 "(tempered) distribution, so top-p samples would be trained on as if drawn from one they were not drawn from"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_hybrid_engine(self) -> RLConfig:
+        """What sleeping engines and learners ask of the rest (the device is checked when the cluster is known)."""
+        if self.rollout.enable_sleep:
+            if not self.ray.colocate_all:
+                raise ValueError("rollout.enable_sleep: sleeping engines free GPU memory for learners on the same GPUs; "
+                                 "set ray.colocate_all: true (engines on GPUs of their own have nothing to hand over)")
+            if self.rollout.async_:
+                raise ValueError("rollout.enable_sleep: async engines generate while the learners train, so they can't "
+                                 "sleep then; set rollout.async: false or rollout.enable_sleep: false")
+        if self.train.enable_sleep:
+            if not self.ray.colocate_all:
+                raise ValueError("train.enable_sleep: learners hand their GPU memory to engines on the same GPUs; set "
+                                 "ray.colocate_all: true")
+            if self.train.zero_stage != 3:
+                raise ValueError(f"train.enable_sleep: DeepSpeed offloads a ZeRO-3 engine's states only; zero_stage is "
+                                 f"{self.train.zero_stage}")
+        return self
+
+    def check_device(self, gpu: bool) -> None:
+        """The GPU-only settings, refused by name when the run's actors are on CPUs (``gpu`` false)."""
+        if gpu:
+            return
+        why = {
+            "rollout.enable_sleep": (self.rollout.enable_sleep, "vLLM's sleep mode exists on CUDA GPUs only"),
+            "train.enable_sleep": (self.train.enable_sleep, "the learners' states are in host memory already"),
+            "rollout.enforce_eager": (self.rollout.enforce_eager is False, "CUDA graphs exist on GPUs only; the CPU build runs eager"),
+            "rollout.gpu_memory_utilization": (self.rollout.gpu_memory_utilization is not None, "the CPU build sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB)"),
+            "sync.backend": (self.sync.backend == "nccl", "NCCL needs GPUs; on CPU the broadcast uses gloo"),
+        }
+        for field, (asked, reason) in why.items():
+            if asked:
+                raise RecipeError(f"{field}: {getattr_dotted(self, field)!r} is a GPU setting and this run's actors are on CPUs "
+                                 f"(cluster.gpu={self.cluster.gpu}): {reason}. Remove it, or run on GPUs")
+
+    def sync_backend(self, gpu: bool) -> str:
+        return ("nccl" if gpu else "gloo") if self.sync.backend == "auto" else self.sync.backend
 
     @model_validator(mode="after")
     def _check_reward_source(self) -> RLConfig:

@@ -82,8 +82,10 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
         rewards = EpisodeReward() if agent else ModelReward(scorer, deadlines.call) if scorer else \
             TextReward(text, tokenizer, config.data.label_key)
         sampler = Sampler(config, tokenizer, engines, rows, rewards, plan.rollout_logp, agent)
-        loop = RLLoop(config, plan, trainers, sampler, WeightSync(config, trainers.learners, engines, deadlines.call),
-                      run_dir, eval_rows, grader)
+        sync = WeightSync(config, trainers.learners, engines, deadlines, trainers.gpu)
+        sync.connect()
+        trainers.offload()  # train.enable_sleep: the engines generate first
+        loop = RLLoop(config, plan, trainers, sampler, sync, run_dir, eval_rows, grader)
         summary = loop.run()
         trainers.export(str(tmp), policy.path)  # with LoRA: the adapter, on the policy it started from
         lora = config.lora.enabled
@@ -191,14 +193,18 @@ class RLLoop:
         cfg = self.cfg
         if cfg.log_rollouts_every and step % cfg.log_rollouts_every == 0:
             self.log_rollouts(step + 1, rollout)
+        self.trainers.reload()  # train.enable_sleep: the learners' states back
         self.sync.set_probe(rollout.samples)
+        self.sync.engines.sleep()  # rollout.enable_sleep: the learners get the GPUs until the push
         with timer("reference_s"):
             forward = self.trainers.forward(rollout.samples, self.plan)
         exp = make_experience(self.plan, cfg, rollout.samples, rollout.scores, forward, self.kl.value)
         with timer("train_s"):
             updates = self.trainers.update(exp, step, self.kl.value)
-        with timer("sync_s"):  # a frozen policy: nothing to push
-            sync = (0.0, 0.0) if self.trainers.policy_frozen(step) else self.sync.push()
+        with timer("sync_s"):  # a frozen policy: nothing to push, unless sleeping engines freed their weights
+            frozen = self.trainers.policy_frozen(step) and not self.sync.engines.asleep
+            sync = (0.0, 0.0) if frozen else self.sync.push()
+        self.trainers.offload()
         kl = mean_kl(exp, updates.pop("kl_sum", 0.0))
         if exp.kl is not None:
             self.kl.update(kl, len(rollout.samples.prompt_ids))
@@ -262,7 +268,9 @@ class RLLoop:
             raise RuntimeError(f"{state}: learner/critic state is at steps {steps}, driver state at {driver['step']}")
         self.kl.value = driver["kl_coef"]
         self.sync.probe = load_file(str(folder / "probe.safetensors"))
+        self.trainers.reload()
         self.sync.push()
+        self.trainers.offload()
         return driver["step"]
 
     def log_rollouts(self, step: int, rollout: Rollout) -> None:

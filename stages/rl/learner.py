@@ -35,26 +35,6 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
-    """A LoRA model's weights with every adapter folded in (``W + get_delta_weight``), named as the base
-    model's own, without touching the trained parameters (peft's in-place merge/unmerge would drift them)."""
-    from peft.tuners.lora import LoraLayer
-
-    base = peft_model.get_base_model()
-    merged: dict[str, torch.Tensor] = {}
-    for name, mod in base.named_modules():
-        if isinstance(mod, LoraLayer):
-            for adapter in mod.active_adapters:
-                merged[f"{name}.weight"] = merged.get(f"{name}.weight", mod.get_base_layer().weight) + mod.get_delta_weight(adapter)
-    out = {}
-    for key, value in base.state_dict().items():
-        if "lora_" in key:
-            continue
-        key = key.replace(".base_layer.", ".")
-        out[key] = merged.get(key, value)
-    return out
-
-
 class Rank(GroupRank):
     """What every DeepSpeed rank of the RL stage does alike: join its group, save and load its state."""
 
@@ -202,21 +182,55 @@ class Learner(Rank):
                       "entropy": float(torch.where(keep, entropy.detach(), 0.0).sum()),
                       "kl": float(kl.detach().sum()), "tokens": float(mask.sum()), **extra}
 
+    def _named_weights(self):
+        """The policy's weights as the engines load them, one module at a time (``stages.rl.broadcast``)."""
+        from stages.rl.broadcast import named_weights
+
+        return named_weights(self.eng.engine.module, self.eng.is_peft, self.cfg.train.zero_stage == 3)
+
     def weights_bytes(self, dtype: str) -> bytes | None:
-        """The full policy state dict as safetensors bytes on rank 0 (every rank must call: ZeRO-3 gather).
-        With LoRA, the merged weights (base + scaled B @ A) under the base model's names: what vLLM loads."""
+        """``sync.transport: object_store``: the full policy state dict as safetensors bytes on rank 0 (every rank
+        must call: ZeRO-3 gathers). With LoRA, the merged weights under the base model's names: what vLLM loads."""
         from safetensors.torch import save
 
-        from stages.common.trainer import gathered
+        from stages.rl.broadcast import DTYPES
 
-        module = self.eng.engine.module
-        target = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        with gathered(self.eng):
-            if self.rank != 0:
-                return None
-            state = merged_state_dict(module) if self.eng.is_peft else module.state_dict()
-            state = {k: v.detach().to(target).cpu().contiguous().clone() for k, v in state.items()}
-        return save(state)
+        target = DTYPES[dtype]
+        state = {name: t.detach().to(target).cpu().contiguous().clone() for name, t in self._named_weights()}
+        return save(state) if self.rank == 0 else None
+
+    def join_weight_group(self, master: tuple[str, int], world_size: int, backend: str, timeout_s: float) -> bool:
+        """Rank 0 joins the weight-sync group as its rank 0 (serving its store at ``master``); the others are not in it."""
+        from stages.rl.broadcast import open_group
+
+        if self.rank == 0:
+            self.weight_group, self.weight_backend = open_group(*master, 0, world_size, backend, timeout_s), backend
+        return True
+
+    def weight_meta(self, dtype: str) -> list | None:
+        """What a broadcast push sends, on rank 0 (every rank must call)."""
+        meta = [(name, list(t.shape), dtype) for name, t in self._named_weights()]
+        return meta if self.rank == 0 else None
+
+    def broadcast_weights(self, dtype: str) -> int | None:
+        """``sync.transport: broadcast``: rank 0 broadcasts every weight as it is gathered (every rank must call)."""
+        from stages.rl.broadcast import send, sync_device
+
+        if self.rank != 0:
+            for _ in self._named_weights():
+                pass
+            return None
+        return send(self.weight_group, self._named_weights(), dtype, sync_device(self.weight_backend))
+
+    def offload_states(self) -> bool:
+        """``train.enable_sleep``: the engine's parameters and optimizer states to host memory (DeepSpeed ZeRO-3's
+        ``offload_states``) while the engines generate."""
+        self.eng.engine.offload_states()
+        return True
+
+    def reload_states(self) -> bool:
+        self.eng.engine.reload_states()
+        return True
 
     def probe_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The raw model's log-probs (temperature 1, as vLLM's prompt log-probs) on the sync probe."""

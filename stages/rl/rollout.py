@@ -1,19 +1,24 @@
 """The rollout engines: ``vllm.LLM`` with a weight-update extension, token ids in and out (:class:`RolloutEngine`,
 one Ray actor each), and :class:`EnginePool`, the driver's view of them as one.
 
-Weights travel as safetensors bytes and are loaded with the worker's ``reload_weights`` (the path
-that works on the CPU build too, where ``model.load_weights`` after load and in-place parameter
-edits silently change nothing). Every update can be verified: ``sequence_logprobs`` on a fixed
-probe is compared with the learner's log-probs on the same ids (``stages.rl.weight_sync``).
+Weights reach the workers two ways (``sync.transport``, ``stages.rl.weight_sync``): broadcast over a process
+group that every worker joins (:meth:`WeightSyncExtension.join_weight_group`, then ``receive_weights`` per push),
+or as safetensors bytes through Ray's object store. Both load with the worker's ``reload_weights`` (the path
+that works on the CPU build too, where ``model.load_weights`` after load and in-place parameter edits silently
+change nothing). Every update can be verified: ``sequence_logprobs`` on a fixed probe is compared with the
+learner's log-probs on the same ids.
 """
 
 from __future__ import annotations
+
+import os
 
 from stages.common.generation import Completion, generate, make_llm, sequence_logprobs
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``); called through ``collective_rpc``."""
+    """Mixed into vLLM's worker class (``worker_extension_cls``); called through ``collective_rpc`` on every
+    worker of the engine (its tensor-parallel ranks)."""
 
     def load_safetensors_bytes(self, data: bytes) -> int:
         from safetensors.torch import load
@@ -22,17 +27,56 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=list(weights.items()), is_checkpoint_format=True)
         return len(weights)
 
+    def join_weight_group(self, host: str, port: int, offset: int, world_size: int, backend: str, timeout_s: float,
+                          local_host: str) -> int:
+        """Join the weight-sync group as rank ``offset`` + this worker's tensor-parallel rank; that rank."""
+        from stages.rl.broadcast import open_group
+
+        rank = offset + self.rank
+        self.weight_group, self.weight_backend = open_group(host, port, rank, world_size, backend, timeout_s, local_host), backend
+        return rank
+
+    def receive_weights(self, meta: list, fault: int | None = None) -> int:
+        """Load the tensors rank 0 broadcasts, as they arrive (``meta``: their names, shapes and dtypes in order);
+        ``fault`` (test hook): the process dies after that many tensors."""
+        from stages.rl.broadcast import receive, sync_device
+
+        weights = receive(self.weight_group, meta, sync_device(self.weight_backend))
+        if fault is not None:
+            weights = _dies_after(weights, fault)
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return len(meta)
+
+
+def _dies_after(weights, n: int):
+    for i, item in enumerate(weights):
+        if i == n:
+            os._exit(7)
+        yield item
+
 
 EXTENSION = f"{__name__}.WeightSyncExtension"
 
 
-class RolloutEngine:
-    """One vLLM engine (run as a Ray actor by the RL driver, or in-process in tests)."""
+def engine_settings(cfg, colocated: bool) -> dict:
+    """What an RL config asks of each engine (``stages.common.generation.engine_args``' keywords but the model,
+    the seed and the device)."""
+    ro = cfg.rollout
+    return dict(dtype=ro.dtype, max_model_len=ro.max_model_len, tensor_parallel_size=ro.tensor_parallel_size,
+                enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization, colocated=colocated,
+                enable_sleep=ro.enable_sleep, worker_extension_cls=EXTENSION,
+                # sampled tokens' log-probs after temperature: the distribution the learners train on
+                logprobs_mode="processed_logprobs")
 
-    def __init__(self, model_path: str, seed: int = 0, dtype: str = "bfloat16", max_model_len: int = 512):
-        # sampled tokens' log-probs after temperature: the distribution the learners train on
-        self.llm = make_llm(model_path, seed=seed, dtype=dtype, max_model_len=max_model_len, worker_extension_cls=EXTENSION,
-                            logprobs_mode="processed_logprobs")
+
+class RolloutEngine:
+    """One vLLM engine (run as a Ray actor by the RL driver, or in-process in tests); ``index``: its place among
+    the run's engines; ``settings``: :func:`engine_settings`."""
+
+    def __init__(self, model_path: str, index: int = 0, seed: int = 0, settings: dict | None = None):
+        self.index = index
+        self.llm = make_llm(model_path, seed=seed, **(settings or {"worker_extension_cls": EXTENSION,
+                                                                   "logprobs_mode": "processed_logprobs"}))
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int,
                  logprobs: bool = False) -> list[list[Completion]]:
@@ -43,6 +87,31 @@ class RolloutEngine:
         loaded = self.llm.collective_rpc("load_safetensors_bytes", args=(data,))
         self.llm.reset_prefix_cache()
         return loaded[0]
+
+    def join_weight_group(self, host: str, port: int, offset: int, world_size: int, backend: str, timeout_s: float) -> list[int]:
+        """Every worker joins the weight-sync group (their sockets on this node's address); their ranks."""
+        from stages.common.cluster import node_of_actor
+
+        local = node_of_actor()[1]
+        return self.llm.collective_rpc("join_weight_group", args=(host, port, offset, world_size, backend, timeout_s, local))
+
+    def receive_weights(self, meta: list) -> int:
+        """One broadcast push: every worker loads the tensors as they arrive."""
+        from stages.common.trainer import injected_step
+
+        fault = injected_step("RLHF_FAULT_ENGINE_DIES", self.index)  # test hook: this engine dies mid-push
+        loaded = self.llm.collective_rpc("receive_weights", args=(meta, fault))
+        self.llm.reset_prefix_cache()
+        return loaded[0]
+
+    def sleep(self) -> bool:
+        """Free the engine's GPU memory (vLLM sleep mode level 2: the weights too; the next push reloads them)."""
+        self.llm.sleep(level=2)
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.llm.wake_up(tags=tags)
+        return True
 
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return sequence_logprobs(self.llm, sequences)
@@ -60,8 +129,9 @@ class EnginePool:
     """The engines as one: each call's prompts split round-robin over the engines, the answers put back in order.
     An engine runs its calls in order, so a weight push sent after a generation waits for it."""
 
-    def __init__(self, engines: list, call, max_new_tokens: int):
+    def __init__(self, engines: list, call, max_new_tokens: int, sleeps: bool = False):
         self.engines, self.call, self.max_new_tokens = engines, call, max_new_tokens  # call: Deadlines.call
+        self.sleeps, self.asleep = sleeps, set()  # rollout.enable_sleep; what is asleep: "weights", "kv_cache"
 
     def launch(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False) -> list:
         """Start generating ``n`` samples per prompt on every engine; :meth:`gather` waits."""
@@ -83,6 +153,27 @@ class EnginePool:
     def push(self, data) -> None:
         """Load new weights (safetensors bytes, or an object-store reference to them) on every engine."""
         self.call([e.update_weights.remote(data) for e in self.engines], "engine.update_weights")
+
+    def join(self, master: tuple[str, int], tp: int, world_size: int, backend: str, timeout_s: float) -> list:
+        """Every engine's workers start joining the weight-sync group (engine ``i``'s from rank ``1 + i * tp``)."""
+        return [e.join_weight_group.remote(*master, 1 + i * tp, world_size, backend, timeout_s) for i, e in enumerate(self.engines)]
+
+    def receive(self, meta: list) -> list:
+        """Every engine starts receiving one broadcast push."""
+        return [e.receive_weights.remote(meta) for e in self.engines]
+
+    def sleep(self) -> None:
+        """``rollout.enable_sleep``: every engine frees its GPU memory (weights and KV cache) until woken."""
+        if self.sleeps and not self.asleep:
+            self.call([e.sleep.remote() for e in self.engines], "engine.sleep")
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Give back what ``tags`` name of the sleeping engines' memory ("weights" before a push, "kv_cache" after)."""
+        tags = [t for t in tags if t in self.asleep]
+        if tags:
+            self.call([e.wake_up.remote(tags) for e in self.engines], "engine.wake_up")
+            self.asleep -= set(tags)
 
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
         """Every engine's prompt log-probs of ``sequences`` (one list per engine)."""

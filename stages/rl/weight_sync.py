@@ -1,8 +1,17 @@
 """Weight sync: the learners' weights pushed to every rollout engine, then verified on a fixed probe.
 
-Transport today: learner rank 0 gathers the ZeRO-3 partitions into safetensors bytes (LoRA: merged into the
-base weights), puts them once in Ray's object store, and every engine loads them with its worker's
-``reload_weights`` (``stages.rl.rollout``). Verification: every engine's log-probs of the probe (the first
+Two transports (``sync.transport``):
+
+- ``broadcast`` (default): learner rank 0 and every engine worker form one process group at startup
+  (:meth:`WeightSync.connect`; gloo on CPU, NCCL on GPU); a push broadcasts the weights tensor by tensor, ZeRO-3
+  gathered one module at a time on the learners, loaded by each worker as they arrive (``stages.rl.broadcast``).
+  The learners and the engines are waited on together: an engine that dies mid-push fails the step at once,
+  named (:func:`stages.common.cluster.ray_get_together`).
+- ``object_store``: rank 0 gathers the state dict into safetensors bytes, puts them once in Ray's object store,
+  and every engine loads them (for engines that can't join a group).
+
+Both load with the worker's ``reload_weights``. Sleeping engines (``rollout.enable_sleep``) wake their weights'
+memory before a push and their KV cache after it. Verification: every engine's log-probs of the probe (the first
 samples of the run's first step) are compared with the learner's; a mean gap above ``sync_tolerance`` stops
 the run (:class:`SyncError`): a stale or half-loaded engine shifts every token, rounding only a few.
 """
@@ -11,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from stages.common.cluster import Deadlines
 from stages.common.logprobs import logprob_difference
 from stages.common.trainer import injected
 from stages.rl.config import RLConfig
@@ -23,9 +33,27 @@ class SyncError(RuntimeError):
 
 
 class WeightSync:
-    def __init__(self, cfg: RLConfig, learners: list, engines: EnginePool, call):
-        self.cfg, self.learners, self.engines, self.call = cfg, learners, engines, call  # call: Deadlines.call
+    def __init__(self, cfg: RLConfig, learners: list, engines: EnginePool, deadlines: Deadlines, gpu: bool):
+        self.cfg, self.learners, self.engines, self.deadlines = cfg, learners, engines, deadlines
+        self.backend = cfg.sync_backend(gpu)
         self.probe: dict[str, torch.Tensor] | None = None
+        self.meta: list | None = None  # what a broadcast push sends: (name, shape, dtype) in order
+
+    def call(self, refs, what: str):
+        return self.deadlines.call(refs, what)
+
+    def connect(self) -> None:
+        """``broadcast``: learner rank 0 and every engine worker join the weight-sync group; the push's tensor list."""
+        if self.cfg.sync.transport != "broadcast":
+            return
+        ro, timeout = self.cfg.rollout, self.cfg.ray.call_timeout_s
+        master = self.deadlines.startup(self.learners[0].address.remote(), "learner.address")
+        world = 1 + ro.num_engines * ro.tensor_parallel_size
+        self.deadlines.together([
+            ("learner.join_weight_group", [self.learners[0].join_weight_group.remote(master, world, self.backend, timeout)]),
+            ("engine.join_weight_group", self.engines.join(master, ro.tensor_parallel_size, world, self.backend, timeout)),
+        ], starting=True)
+        self.meta = self.call([lr.weight_meta.remote(ro.dtype) for lr in self.learners], "learner.weight_meta")[0]
 
     def set_probe(self, samples: Samples) -> None:
         """A fixed probe, once: the first samples of the first step (two per learner rank), checked at once."""
@@ -38,9 +66,17 @@ class WeightSync:
         """Push the learners' weights to every engine; the probe's mean and max |log-prob difference|."""
         import ray
 
-        data = self.call([lr.weights_bytes.remote(self.cfg.rollout.dtype) for lr in self.learners], "learner.weights_bytes")[0]
-        if not injected("RLHF_FAULT_SKIP_PUSH"):  # test hook: a push that silently does nothing
-            self.engines.push(ray.put(data))
+        dtype = self.cfg.rollout.dtype
+        self.engines.wake_up(["weights"])
+        if self.cfg.sync.transport == "broadcast":
+            if not injected("RLHF_FAULT_SKIP_PUSH"):  # test hook: a push that silently does nothing
+                self.deadlines.together([("learner.broadcast_weights", [lr.broadcast_weights.remote(dtype) for lr in self.learners]),
+                                         ("engine.receive_weights", self.engines.receive(self.meta))])
+        else:
+            data = self.call([lr.weights_bytes.remote(dtype) for lr in self.learners], "learner.weights_bytes")[0]
+            if not injected("RLHF_FAULT_SKIP_PUSH"):
+                self.engines.push(ray.put(data))
+        self.engines.wake_up(["kv_cache"])
         return self.verify() if self.cfg.verify_sync else (float("nan"), float("nan"))
 
     def verify(self) -> tuple[float, float]:

@@ -436,6 +436,69 @@ def test_lora_rl_pushes_merged_weights_and_outputs_an_adapter_that_merges(task_f
     assert ray_processes() == []
 
 
+TIMINGS = ("_s", "_per_s")
+
+
+def _trajectory(ref) -> list[dict]:
+    """A run's step metrics less its timings (the numbers a transport must not change)."""
+    return [{k: v for k, v in s.items() if not k.endswith(TIMINGS)} for s in metrics(ref)]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_broadcast_and_object_store_pushes_give_the_same_trajectory(task_files, micro_sft, tmp_path, lora):
+    """sync.transport broadcast (learner rank 0 and both engines' workers in one gloo group, the weights sent module
+    by module) and object_store (one safetensors blob through Ray's object store): fp32 on both sides, so the
+    same seeds give the same samples and every step's metrics agree within 1e-6; every push passes the probe.
+    With LoRA the merged weights travel the same way. Two engines, two ZeRO-3 learners."""
+    extra = {"lora": {"rank": 8, "alpha": 16}} if lora else {}
+    runs = {}
+    for transport in ("broadcast", "object_store"):
+        root = tmp_path / transport
+        cfg = _config(task_files, root, _first_digit_one(tmp_path), "rollout.num_engines=2", f"sync.transport={transport}",
+                      "train.lr=1e-2", **extra)
+        runs[transport] = _trajectory(run_rl(cfg, micro_sft))
+    ours, theirs = runs["broadcast"], runs["object_store"]
+    assert [s["step"] for s in ours] == [1, 2, 3]
+    assert all(s["sync_logprob_diff"] <= 1e-3 for s in ours), [s["sync_logprob_diff"] for s in ours]
+    assert any(s["grad_norm"] > 0 for s in ours)  # the policy trained: there were new weights to push
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], abs=1e-6, nan_ok=True), (a["step"], k, a[k], b[k])
+    assert ray_processes() == []
+
+
+def test_a_tensor_parallel_engine_receives_every_push(task_files, micro_sft, tmp_path):
+    """rollout.tensor_parallel_size=2: one engine of two workers (vLLM's multiprocess executor on the CPU build),
+    each joining the weight-sync group and loading its shard of every push; the probe (fp32) agrees after each."""
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "rollout.tensor_parallel_size=2", "train.world_size=1",
+                  "train.lr=1e-2")
+    ref = run_rl(cfg, micro_sft)
+    steps = metrics(ref)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["sync_logprob_diff"] <= 1e-3 for s in steps), [s["sync_logprob_diff"] for s in steps]
+    assert ray_processes() == []
+
+
+def test_an_engine_that_dies_mid_push_fails_the_step_at_once_naming_it(task_files, micro_sft, tmp_path, monkeypatch):
+    """Engine 1 of 2 dies after receiving 3 tensors of the first broadcast: the step fails with the engine named,
+    long before the call deadline (the learner and engine 0 are still blocked in the broadcast), and the cluster
+    goes with it."""
+    import time
+
+    from stages.common.cluster import ActorFailed
+
+    monkeypatch.setenv("RLHF_FAULT_ENGINE_DIES", "1:3")
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "rollout.num_engines=2", "train.world_size=1",
+                  "ray.call_timeout_s=300")
+    started = time.monotonic()
+    with pytest.raises(ActorFailed, match=r"RL stage: engine rank 1 of 2 failed during receive_weights: "):
+        run_rl(cfg, micro_sft)
+    assert time.monotonic() - started < 150  # the whole run, start-up included, well inside the 300 s deadline
+    assert ray_processes() == []
+    assert not list(tmp_path.glob("rl-*/checkpoint"))
+
+
 def test_reward_model_as_the_reward_source(task_files, micro_sft, tokenizer, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
