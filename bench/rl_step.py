@@ -14,6 +14,10 @@ what the rollout engine saves: both sides train on the same tokens with the same
 On CPU everything runs in fp32 (bf16 is slower there for these model sizes); on CUDA, in bf16.
 Prints the tables and writes bench/results/rl_step.json.
 
+``mode=sync``: the weight push alone, each ``sync.transport`` on the ``tiny`` and ``small`` presets in one run
+(``python -m bench.rl_step mode=sync [presets=tiny,small] [steps=6] [learners=2] [engines=2]``; writes
+bench/results/rl_sync.json).
+
 Run: ``python -m bench.rl_step [model=PATH|preset=tiny] [steps=12] [prompts=32] [group=8] [tokens=16,128]
 [max_tokens=2560] [generation=1] [systems=trl,trl16,ours,async,bf16]`` (``max_tokens``: our learner's
 micro-batch budget in positions; another model than the default writes ``rl_step_<preset>.json``)
@@ -266,8 +270,61 @@ def setting(model: str, prompts: list[str], labels: list[str], prompt_ids: list[
     return out
 
 
+TRANSPORTS = ("broadcast", "object_store")
+SYNC_OUT = OUT.with_name("rl_sync.json")
+
+
+def sync_phase(presets: list[str], steps: int, learners: int, engines: int) -> dict:
+    """``mode=sync``: the weight push's seconds per step with each ``sync.transport``, per model preset, in one run:
+    the same short GRPO run (ZeRO-3 learners, the recipe's fp32 engines) once per transport; the median ``sync_s``
+    (gather + transfer + load + the probe check) of the settled steps, and what one push moves."""
+    from stages.common.models import resolve_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for preset in presets:
+            model = resolve_model(f"tiny:{preset}", root).path
+            params = _parameters(model)
+            for transport in TRANSPORTS:
+                r = ours_step(model, 4, 16, 16, steps, (f"sync.transport={transport}", "train.zero_stage=3",
+                                                         f"train.world_size={learners}", f"rollout.num_engines={engines}"))
+                rows.append({"preset": preset, "parameters_m": round(params / 1e6, 2), "push_mb": round(params * 4 / 2**20, 1),
+                             "transport": transport, "sync_s": r["phases"]["sync_s"], "step_s": r["step_s"],
+                             "worst_sync_logprob_diff": r["worst_sync_logprob_diff"]})
+    for preset in presets:  # broadcast's sync time against the object store's, per preset
+        by = {r["transport"]: r for r in rows if r["preset"] == preset}
+        by["broadcast"]["sync_vs_object_store"] = round(by["broadcast"]["sync_s"] / by["object_store"]["sync_s"], 2)
+    return {"steps": steps, "learners": learners, "engines": engines, "rows": rows}
+
+
+def _parameters(model_path: str) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_path) / "model.safetensors"), "pt") as f:
+        return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def main(argv: list[str] | None = None) -> None:
     args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
+    if args.get("mode") == "sync":
+        out = sync_phase(args.get("presets", "tiny,small").split(","), int(args.get("steps", 6)), int(args.get("learners", 2)),
+                         int(args.get("engines", 2)))
+        print(f"\nWeight push per RL step, each sync.transport ({out['learners']} ZeRO-3 learners, {out['engines']} engines, "
+              f"fp32; median of the settled steps)\n")
+        print(table([{**r, "sync_vs_object_store": r.get("sync_vs_object_store", "")} for r in out["rows"]],
+                    ["preset", "parameters_m", "push_mb", "transport", "sync_s", "sync_vs_object_store", "step_s",
+                     "worst_sync_logprob_diff"]))
+        SYNC_OUT.parent.mkdir(parents=True, exist_ok=True)
+        SYNC_OUT.write_text(json.dumps({"device": "cuda" if cuda() else "cpu", **out}, indent=2))
+        print(f"wrote {SYNC_OUT}")
+        return
     steps, n_prompts, group = int(args.get("steps", 12)), int(args.get("prompts", 32)), int(args.get("group", 8))
     lengths = [int(t) for t in args.get("tokens", "16,128").split(",")]
     budget = int(args.get("max_tokens", 2560))

@@ -131,13 +131,14 @@ class _Listeners:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        if self._attempt is not None:
+            self._attempt.join()
 
     def _watch(self):
-        import os
-        import subprocess
-        import sys
+        import threading
 
         me = psutil.Process()
+        self._attempt = None
         while not self._stop.wait(0.3):
             gcs = None
             for proc in [me, *me.children(recursive=True)]:
@@ -150,12 +151,20 @@ class _Listeners:
                                 gcs = c.laddr
                 except psutil.Error:
                     continue
-            if gcs is not None and self.refused is None:
-                env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-                addr = f"127.0.0.1:{gcs.port}"
-                r = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={addr!r}); print('CONNECTED')"],
-                                   env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=120)
-                self.refused = "CONNECTED" if "CONNECTED" in r.stdout else r.stderr
+            if gcs is not None and self._attempt is None:  # beside the sampling: a refusal takes ~20 s
+                self._attempt = threading.Thread(target=self._connect_without_token, args=(gcs.port,), daemon=True)
+                self._attempt.start()
+
+    def _connect_without_token(self, port: int):
+        import os
+        import subprocess
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        addr = f"127.0.0.1:{port}"
+        r = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={addr!r}); print('CONNECTED')"],
+                           env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=120)
+        self.refused = "CONNECTED" if "CONNECTED" in r.stdout else r.stderr
 
 
 class _OpenRLHFRewardServer:
