@@ -17,7 +17,7 @@ minutes on one H100/H200:
 ``device=cpu`` runs the same on a CPU machine (fp32 reference vs CPU bf16, gloo): how the check itself is tested.
 Prints a table; writes ``bench/results/gpu_check.json``; exits 1 when a check fails.
 
-Run: ``python -m bench.gpu_check [steps=20] [device=cuda|cpu] [preset=tiny]``
+Run: ``python -m bench.gpu_check [steps=20] [device=cuda|cpu] [preset=tiny] [out=PATH]``
 """
 
 from __future__ import annotations
@@ -34,21 +34,17 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "gpu_check.json"
 STEP1_TOL, MEAN_TOL = 0.02, 0.05
 STAGES = ("sft", "reward_model", "dpo")
+BUCKET = 256 * 2**20  # sync.bucket_mb's default
 
 
 @contextmanager
 def cpu_only():
     """The stage's rank processes see no GPU and use DeepSpeed's CPU accelerator (gloo)."""
-    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
-    os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-    try:
+    from stages.common.cluster import restored_env
+
+    with restored_env(("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")):
+        os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_stage(name: str, base, root: Path, dtype: str, steps: int) -> list[float]:
@@ -106,11 +102,14 @@ def _sender(model_path: str, port: int, group_port: int, backend: str, device: s
     eng = trainer.build_engine(model_path, train, LoraConfig(), 10,
                                lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, use_safetensors=True))
     module = eng.engine.module
-    queue.put(("meta", weight_meta(module, False, True, "bfloat16")))
+    meta = weight_meta(module, False, True, "bfloat16")
+    queue.put(("meta", meta))
     group = open_group("127.0.0.1", group_port, 0, 2, backend, 120)
     t = time.perf_counter()
-    n = send(group, named_weights(module, False, True), "bfloat16", sync_device(backend))
-    result = {"tensors": n, "push_s": round(time.perf_counter() - t, 4)}
+    n = send(group, named_weights(module, False, True), meta, sync_device(backend), BUCKET)
+    if backend == "nccl":
+        torch.cuda.synchronize()
+    result = {"tensors": len(meta), "broadcasts": n, "push_s": round(time.perf_counter() - t, 4)}
     if device != "cpu":  # train.enable_sleep's hand-over
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -136,7 +135,7 @@ def _receiver(model_path: str, group_port: int, backend: str, device: str, meta,
     group = open_group("127.0.0.1", group_port, 1, 2, backend, 120)
     expected = load_file(str(Path(model_path) / "model.safetensors"))
     mismatched, received, nbytes = [], 0, 0
-    for name, tensor in receive(group, meta, where):
+    for name, tensor in receive(group, meta, where, BUCKET):
         received += 1
         nbytes += tensor.numel() * tensor.element_size()
         if not torch.equal(tensor.cpu(), expected[name].to(torch.bfloat16)):
@@ -208,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{sync['push_s']} s, bit-exact: {not sync['mismatched']}" +
           (f"; offload_states frees {sync['gpu_bytes_before'] - sync['gpu_bytes_offloaded']} bytes: {sync['offload_passed']}"
            if "offload_passed" in sync else ""))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    out = OUT if device == "cuda" else OUT.with_name("gpu_check_cpu.json")
+    out = Path(args["out"]) if "out" in args else OUT if device == "cuda" else OUT.with_name("gpu_check_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"\n{'PASSED' if result['passed'] else 'FAILED'} in {result['seconds']} s; wrote {out}")
     if not result["passed"]:

@@ -287,7 +287,8 @@ def sync_phase(presets: list[str], steps: int, learners: int, engines: int) -> d
             params = _parameters(model)
             for transport in TRANSPORTS:
                 r = ours_step(model, 4, 16, 16, steps, (f"sync.transport={transport}", "train.zero_stage=3",
-                                                         f"train.world_size={learners}", f"rollout.num_engines={engines}"))
+                                                         f"train.world_size={learners}", f"rollout.num_engines={engines}",
+                                                         f"train.micro_train_batch_size={64 // learners}"))
                 rows.append({"preset": preset, "parameters_m": round(params / 1e6, 2), "push_mb": round(params * 4 / 2**20, 1),
                              "transport": transport, "sync_s": r["phases"]["sync_s"], "step_s": r["step_s"],
                              "worst_sync_logprob_diff": r["worst_sync_logprob_diff"]})

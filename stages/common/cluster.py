@@ -186,7 +186,7 @@ def _unwind_on_sigterm() -> Iterator[None]:
 
 
 @contextmanager
-def _restored_env(keys: tuple[str, ...]) -> Iterator[None]:
+def restored_env(keys: tuple[str, ...]) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in keys}
     try:
         yield
@@ -227,7 +227,7 @@ def ray_cluster(address: str | None, num_cpus: int, ship_code: bool = True, conn
     with :func:`join`, left as it was); the private one is always shut down. Yields its temp folder (None at an
     address)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    with _restored_env(_PRIVATE_CLUSTER_ENV), _unwind_on_sigterm():  # the token dies with its cluster
+    with restored_env(_PRIVATE_CLUSTER_ENV), _unwind_on_sigterm():  # the token dies with its cluster
         if not address:
             private_cluster_env()
         import psutil  # a dependency of DeepSpeed and vLLM

@@ -9,9 +9,10 @@ same code runs in a learner, in a vLLM worker and in ``bench/gpu_check.py`` with
 
 The learner side walks the model module by module (:func:`named_weights`): under ZeRO-3 each module's
 parameters are gathered on their own (LoRA: a LoRA layer's base weight and adapters together, sent merged under
-the base model's name), broadcast, and released, so the full model is never materialised twice. The workers load
-the tensors as they arrive: :func:`receive` is the iterator vLLM's ``reload_weights`` consumes (the path that
-works on the CPU build too), so a worker holds one received tensor at a time.
+the base model's name), copied into a bucket (``sync.bucket_mb``; a broadcast per full bucket, not per tensor)
+and released, so the full model is never materialised twice. The workers load the tensors as they arrive:
+:func:`receive` is the iterator vLLM's ``reload_weights`` consumes (the path that works on the CPU build too), so
+a worker holds one bucket at a time.
 """
 
 from __future__ import annotations
@@ -56,22 +57,64 @@ def broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def send(group, weights: Iterator[tuple[str, torch.Tensor]], dtype: str, device: torch.device) -> int:
-    """Rank 0: broadcast every tensor of ``weights`` in order, as ``dtype`` on ``device`` (NCCL: the GPU; gloo:
-    the CPU); the number sent."""
-    target, n = DTYPES[dtype], 0
-    for _, tensor in weights:
-        broadcast(group, tensor.detach().to(device=device, dtype=target).contiguous())
-        n += 1
+def buckets(meta: list[tuple[str, list[int], str]], bucket_bytes: int) -> list[list[int]]:
+    """``meta``'s tensors cut into consecutive buckets of at most ``bucket_bytes`` (a larger tensor alone): one
+    broadcast each. Sender and receivers cut the same way from the same ``meta``."""
+    out: list[list[int]] = []
+    size = 0
+    for i, (_, shape, dtype) in enumerate(meta):
+        n = _nbytes(shape, dtype)
+        if not out or size + n > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
+
+
+def _nbytes(shape: list[int], dtype: str) -> int:
+    n = DTYPES[dtype].itemsize
+    for d in shape:
+        n *= d
     return n
 
 
-def receive(group, meta: list[tuple[str, list[int], str]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Ranks > 0: each ``(name, shape, dtype)`` of ``meta`` in order, received into a fresh tensor on ``device``."""
-    for name, shape, dtype in meta:
-        tensor = torch.empty(shape, dtype=DTYPES[dtype], device=device)
-        broadcast(group, tensor)
-        yield name, tensor
+def send(group, weights: Iterator[tuple[str, torch.Tensor]], meta: list[tuple[str, list[int], str]], device: torch.device,
+         bucket_bytes: int) -> int:
+    """Rank 0: the tensors of ``weights`` (in ``meta``'s order and dtype) copied into one bucket after another on
+    ``device`` (NCCL: the GPU; gloo: the CPU), each bucket broadcast when full; the number of broadcasts."""
+    weights = iter(weights)
+    sent = 0
+    for bucket in buckets(meta, bucket_bytes):
+        dtype = DTYPES[meta[bucket[0]][2]]
+        flat = torch.empty(sum(_nbytes(meta[i][1], meta[i][2]) for i in bucket) // dtype.itemsize, dtype=dtype, device=device)
+        offset = 0
+        for i in bucket:
+            name, tensor = next(weights)
+            if name != meta[i][0] or list(tensor.shape) != meta[i][1]:
+                raise RuntimeError(f"weight sync: sending {name} {list(tensor.shape)} where the receivers expect "
+                                   f"{meta[i][0]} {meta[i][1]}")
+            n = tensor.numel()
+            flat[offset : offset + n].copy_(tensor.detach().reshape(-1))
+            offset += n
+        broadcast(group, flat)
+        sent += 1
+    return sent
+
+
+def receive(group, meta: list[tuple[str, list[int], str]], device: torch.device, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Ranks > 0: each ``(name, shape, dtype)`` of ``meta`` in order, as views of the bucket it arrived in (on
+    ``device``); one bucket held at a time."""
+    for bucket in buckets(meta, bucket_bytes):
+        dtype = DTYPES[meta[bucket[0]][2]]
+        flat = torch.empty(sum(_nbytes(meta[i][1], meta[i][2]) for i in bucket) // dtype.itemsize, dtype=dtype, device=device)
+        broadcast(group, flat)
+        offset = 0
+        for i in bucket:
+            name, shape, _ = meta[i]
+            n = _nbytes(shape, meta[i][2]) // dtype.itemsize
+            yield name, flat[offset : offset + n].view(shape)
+            offset += n
 
 
 def named_weights(model, is_peft: bool, zero3: bool) -> Iterator[tuple[str, torch.Tensor]]:

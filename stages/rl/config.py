@@ -206,6 +206,7 @@ class SyncConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     transport: Literal["broadcast", "object_store"] = Field("broadcast", description="broadcast: learner rank 0 and every engine worker form one process group and the weights are broadcast tensor by tensor (ZeRO-3 gathered one module at a time), each worker loading them as they arrive; object_store: rank 0 puts the whole state dict in Ray's object store as safetensors bytes and every engine loads it (for engines that can't join a group)")
+    bucket_mb: float = Field(256.0, gt=0, description="broadcast: the weights travel in buckets of at most this many MiB (one collective per bucket; a larger tensor alone), copied in as each module is gathered; the receivers hold one bucket at a time")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="the broadcast's process-group backend (OpenRLHF's vllm_sync_backend): auto is NCCL on GPUs, gloo on CPU; gloo on GPUs sends through host memory")
 
 

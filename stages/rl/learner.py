@@ -209,18 +209,19 @@ class Learner(Rank):
 
     def weight_meta(self, dtype: str) -> list | None:
         """What a broadcast push sends, on rank 0 (every rank must call)."""
-        meta = [(name, list(t.shape), dtype) for name, t in self._named_weights()]
-        return meta if self.rank == 0 else None
+        self.meta = [(name, list(t.shape), dtype) for name, t in self._named_weights()]
+        return self.meta if self.rank == 0 else None
 
-    def broadcast_weights(self, dtype: str) -> int | None:
-        """``sync.transport: broadcast``: rank 0 broadcasts every weight as it is gathered (every rank must call)."""
+    def broadcast_weights(self, bucket_bytes: int) -> int | None:
+        """``sync.transport: broadcast``: rank 0 broadcasts the weights bucket by bucket as they are gathered (every
+        rank must call); the number of broadcasts."""
         from stages.rl.broadcast import send, sync_device
 
         if self.rank != 0:
             for _ in self._named_weights():
                 pass
             return None
-        return send(self.weight_group, self._named_weights(), dtype, sync_device(self.weight_backend))
+        return send(self.weight_group, self._named_weights(), self.meta, sync_device(self.weight_backend), bucket_bytes)
 
     def offload_states(self) -> bool:
         """``train.enable_sleep``: the engine's parameters and optimizer states to host memory (DeepSpeed ZeRO-3's

@@ -36,12 +36,12 @@ class WeightSyncExtension:
         self.weight_group, self.weight_backend = open_group(host, port, rank, world_size, backend, timeout_s, local_host), backend
         return rank
 
-    def receive_weights(self, meta: list, fault: int | None = None) -> int:
-        """Load the tensors rank 0 broadcasts, as they arrive (``meta``: their names, shapes and dtypes in order);
-        ``fault`` (test hook): the process dies after that many tensors."""
+    def receive_weights(self, meta: list, bucket_bytes: int, fault: int | None = None) -> int:
+        """Load the tensors rank 0 broadcasts, as they arrive (``meta``: their names, shapes and dtypes in order, in
+        buckets of ``bucket_bytes``); ``fault`` (test hook): the process dies after that many tensors."""
         from stages.rl.broadcast import receive, sync_device
 
-        weights = receive(self.weight_group, meta, sync_device(self.weight_backend))
+        weights = receive(self.weight_group, meta, sync_device(self.weight_backend), bucket_bytes)
         if fault is not None:
             weights = _dies_after(weights, fault)
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
@@ -95,12 +95,12 @@ class RolloutEngine:
         local = node_of_actor()[1]
         return self.llm.collective_rpc("join_weight_group", args=(host, port, offset, world_size, backend, timeout_s, local))
 
-    def receive_weights(self, meta: list) -> int:
+    def receive_weights(self, meta: list, bucket_bytes: int) -> int:
         """One broadcast push: every worker loads the tensors as they arrive."""
         from stages.common.trainer import injected_step
 
         fault = injected_step("RLHF_FAULT_ENGINE_DIES", self.index)  # test hook: this engine dies mid-push
-        loaded = self.llm.collective_rpc("receive_weights", args=(meta, fault))
+        loaded = self.llm.collective_rpc("receive_weights", args=(meta, bucket_bytes, fault))
         self.llm.reset_prefix_cache()
         return loaded[0]
 
@@ -158,9 +158,9 @@ class EnginePool:
         """Every engine's workers start joining the weight-sync group (engine ``i``'s from rank ``1 + i * tp``)."""
         return [e.join_weight_group.remote(*master, 1 + i * tp, world_size, backend, timeout_s) for i, e in enumerate(self.engines)]
 
-    def receive(self, meta: list) -> list:
+    def receive(self, meta: list, bucket_bytes: int) -> list:
         """Every engine starts receiving one broadcast push."""
-        return [e.receive_weights.remote(meta) for e in self.engines]
+        return [e.receive_weights.remote(meta, bucket_bytes) for e in self.engines]
 
     def sleep(self) -> None:
         """``rollout.enable_sleep``: every engine frees its GPU memory (weights and KV cache) until woken."""

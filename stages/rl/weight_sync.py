@@ -3,8 +3,9 @@
 Two transports (``sync.transport``):
 
 - ``broadcast`` (default): learner rank 0 and every engine worker form one process group at startup
-  (:meth:`WeightSync.connect`; gloo on CPU, NCCL on GPU); a push broadcasts the weights tensor by tensor, ZeRO-3
-  gathered one module at a time on the learners, loaded by each worker as they arrive (``stages.rl.broadcast``).
+  (:meth:`WeightSync.connect`; gloo on CPU, NCCL on GPU); a push broadcasts the weights in buckets
+  (``sync.bucket_mb``), ZeRO-3 gathered one module at a time on the learners, loaded by each worker as they
+  arrive (``stages.rl.broadcast``).
   The learners and the engines are waited on together: an engine that dies mid-push fails the step at once,
   named (:func:`stages.common.cluster.ray_get_together`).
 - ``object_store``: rank 0 gathers the state dict into safetensors bytes, puts them once in Ray's object store,
@@ -70,8 +71,9 @@ class WeightSync:
         self.engines.wake_up(["weights"])
         if self.cfg.sync.transport == "broadcast":
             if not injected("RLHF_FAULT_SKIP_PUSH"):  # test hook: a push that silently does nothing
-                self.deadlines.together([("learner.broadcast_weights", [lr.broadcast_weights.remote(dtype) for lr in self.learners]),
-                                         ("engine.receive_weights", self.engines.receive(self.meta))])
+                bucket = int(self.cfg.sync.bucket_mb * 2**20)
+                self.deadlines.together([("learner.broadcast_weights", [lr.broadcast_weights.remote(bucket) for lr in self.learners]),
+                                         ("engine.receive_weights", self.engines.receive(self.meta, bucket))])
         else:
             data = self.call([lr.weights_bytes.remote(dtype) for lr in self.learners], "learner.weights_bytes")[0]
             if not injected("RLHF_FAULT_SKIP_PUSH"):

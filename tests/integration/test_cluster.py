@@ -175,7 +175,7 @@ def test_rl_learner_and_engine_on_different_nodes_train_with_verified_pushes(clu
     assert len(learners) == len(engines) == 1 and learners[0] != engines[0]
     steps = metrics(ref)
     assert [s["step"] for s in steps] == [1, 2, 3]
-    # every push crossed nodes and the engine's log-probs matched the learner's on the probe
+    # every push was broadcast across nodes (learner rank 0 to the engine worker) and matched the learner on the probe
     assert all(s["sync_logprob_diff"] <= 1e-3 and s["sync_max_logprob_diff"] <= 1e-2 for s in steps)
 
 
