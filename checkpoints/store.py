@@ -181,6 +181,18 @@ def recover(dest: str | Path, clean: bool = True) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def sweep(root: str | Path) -> list[Path]:
+    """Every run folder under ``root``: what a crash during a save left (:func:`recover` for each name with
+    staging or moved-aside folders beside it), whoever wrote it; the folders removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    leftovers = [*root.glob("*/.*.partial-*"), *root.glob("*/.*.old-*")]
+    for name in {(p.parent, p.name[1:].rsplit(".", 1)[0]) for p in leftovers}:
+        recover(name[0] / name[1])
+    return [p for p in leftovers if not p.exists()]
+
+
 @contextmanager
 def staging(dest: str | Path) -> Iterator[Path]:
     """Yield an empty hidden sibling of ``dest`` to write a checkpoint into.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,7 @@ class DataConfig(BaseModel):
     dataset_probs: list[float] | None = Field(None, description="mix several paths with these sampling weights (OpenRLHF's --dataset_probs); None: concatenate")
     split: str = Field("train", description="the split of a hub dataset or save_to_disk folder")
     subset: str | None = Field(None, description="a hub dataset's configuration name (load_dataset's `name`, e.g. \"main\" for openai/gsm8k)")
+    revision: str | None = Field(None, description="hub dataset ids: the branch, tag or commit to load (null: the default branch). Resolved to its commit sha for the run's identity (from the hub, or offline from the local Hugging Face cache), and the data is loaded at that commit")
     max_samples: int | None = Field(None, ge=1, description="keep at most this many rows (after mixing)")
     input_key: str = Field("input", description="Field names in the rows (OpenRLHF's --input_key etc.). For SFT, `input_key` may hold a list of chat messages (multi-turn; loss on assistant turns only) and `output_key` may then be null.")
     output_key: str | None = Field("output", description="the response field (SFT); null when input_key holds chat messages")
@@ -182,8 +184,40 @@ def check_path(path: str, field: str) -> None:
     raise DataError(f"{field}: {path}: file not found ({looked_for(p)})")
 
 
-def load_source(path: str, split: str = "train", subset: str | None = None):
-    """One source as a ``datasets.Dataset``."""
+def is_hub_id(path: str) -> bool:
+    """A data path that names no local file or folder and does not look like one: a hub dataset id."""
+    return not Path(path).expanduser().exists() and not looks_local(path)
+
+
+def hub_revision(repo_id: str, revision: str | None = None) -> str:
+    """The commit sha a hub dataset id resolves to at ``revision`` (a branch, tag or commit; None: the default
+    branch): a 40-hex commit as given; else from the hub, or offline (``HF_HUB_OFFLINE``) from the local Hugging
+    Face cache's ``refs``. Neither: a :class:`DataError` naming the id."""
+    import re
+
+    from huggingface_hub import constants
+
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    ref = Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE) / f"datasets--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or constants.HF_HUB_OFFLINE
+    reason = "offline (HF_HUB_OFFLINE=1)"
+    if not offline:
+        try:
+            from huggingface_hub import HfApi
+
+            return HfApi().dataset_info(repo_id, revision=revision).sha
+        except Exception as e:  # noqa: BLE001  (unreachable, unknown, gated: the cache may still know it)
+            reason = f"the hub did not answer ({type(e).__name__})"
+    if ref.is_file():
+        return ref.read_text().strip()
+    raise DataError(f"{repo_id}: a hub dataset id whose revision {revision or 'main'!r} can't be resolved to a commit: "
+                    f"{reason} and not in the local Hugging Face cache (looked for {ref}); run once online, or pin the "
+                    "data section's revision to a commit sha")
+
+
+def load_source(path: str, split: str = "train", subset: str | None = None, revision: str | None = None):
+    """One source as a ``datasets.Dataset`` (a hub id at the commit ``revision`` resolves to)."""
     import datasets
 
     p = Path(path)
@@ -206,7 +240,7 @@ def load_source(path: str, split: str = "train", subset: str | None = None):
             return datasets.load_dataset(builder, data_files=str(p), split="train")
         if p.suffix.lower() in _FILE_BUILDERS or path.startswith((".", "/")):
             raise DataError(f"{path}: file not found")
-        return datasets.load_dataset(path, subset, split=split)
+        return datasets.load_dataset(path, subset, split=split, revision=hub_revision(path, revision))
     except DataError:
         raise
     except Exception as e:  # malformed file, unreachable hub, ...: say which source and the parser's reason
@@ -223,7 +257,7 @@ def load_rows(config: DataConfig, check_row=None) -> list[dict]:
     """
     parts = []
     for path in config.paths:
-        ds = load_source(path, config.split, config.subset)
+        ds = load_source(path, config.split, config.subset, config.revision)
         if len(ds) == 0:
             raise DataError(f"{path}: dataset is empty (split '{config.split}')")
         if check_row is not None:

@@ -23,9 +23,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from checkpoints import CheckpointRef, remembered_hashes
+from flows import gates
 from flows.curves import artifact_key, data_uri, prefect_key
 from flows.pipeline import PROJECT_ROOT, Plan, plan
-from flows.tasks import StageError, cached_result_usable, run_stage
+from flows.tasks import StageError, cached_result, run_stage
+from stages import registry
 from stages.common.cli import DEBUG_ENV, did_you_mean, one_line_errors, take_debug
 from stages.common.recipe import RecipeError
 from stages.common.stage import StageRun
@@ -35,21 +37,28 @@ DEFAULT_PIPELINE = "recipes/pipelines/tiny.yaml"
 PROG = "python -m flows.full_rlhf"
 
 
-@flow(name="full-rlhf", log_prints=True, persist_result=True)
+@flow(name="full-rlhf", log_prints=True, persist_result=True, result_serializer="json")
 def full_rlhf(
     pipeline: str = DEFAULT_PIPELINE,
     overrides: dict[str, dict[str, Any]] | None = None,
     refresh: list[str] | None = None,
     output_root: str | None = None,
     cluster_address: str | None = None,
+    allow_code_overrides: bool = False,
 ) -> dict[str, Any]:
     """Run ``pipeline``; ``overrides`` maps stage name -> {dotted key: value}; ``refresh`` reruns named stages;
-    ``cluster_address``: every training stage on the existing Ray cluster there."""
+    ``cluster_address``: every training stage on the existing Ray cluster there. ``allow_code_overrides``: read from
+    the deployment's own parameters (prefect.yaml), never from a run's: whether a deployment run's ``overrides`` may
+    name code to run (``reward.func``, ``rollout.agent``, graders)."""
+    refuse_code_overrides(overrides or {}, deployment_allows_code())  # before planning: the plan imports plugins
     p = plan(pipeline, output_root=output_root, stage_overrides=overrides, cluster_address=cluster_address)
     refresh = list(refresh or [])
     check_refresh(p, refresh, pipeline)
     runs: dict[str, StageRun] = {}
     outputs = run_plan(p, refresh=set(refresh), runs=runs)
+    gated = gates.evaluate(p.gates, {name: gates.stage_metrics(out, runs[name].run_dir) for name, out in outputs.items()
+                                     if any(name == r.split(".")[0] for g in p.gates for r in g.refs())})
+    result = gates.result_stage(p.gates, [s.spec.name for s in p.stages], {s.spec.name: s.spec.stage for s in p.stages})
     summary: dict[str, Any] = {}
     for name, out in outputs.items():
         if isinstance(out, EvalReport):
@@ -58,8 +67,46 @@ def full_rlhf(
             print(f"[full-rlhf] {name} report: {out.markdown}\n{Path(out.markdown).read_text()}")
         else:
             summary[name] = {"path": out.path, "kind": out.kind, "digest": out.digest}
-    _publish_summary(pipeline, outputs, runs)
+    passed = all(r.passed for r in gated)
+    _publish_summary(pipeline, outputs, runs, gated, result if passed else None)
+    for r in gated:
+        (logger_info if r.passed else get_run_logger().error)(f"gate {r.gate.owner}: {r.line()}")
+    gates.check(gated)
+    if result is not None:
+        summary["pipeline_result"] = {"stage": result, **summary[result]}
     return summary
+
+
+def logger_info(message: str) -> None:
+    get_run_logger().info(message)
+
+
+def deployment_allows_code() -> bool | None:
+    """None outside a deployment run; in one, the deployment's own ``allow_code_overrides`` parameter (what it was
+    deployed with: a run's parameters can't grant it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import deployment
+
+    if deployment.id is None:
+        return None
+    with get_client(sync_client=True) as client:
+        return bool((client.read_deployment(deployment.id).parameters or {}).get("allow_code_overrides"))
+
+
+def refuse_code_overrides(overrides: dict[str, dict[str, Any]], allowed: bool | None) -> None:
+    """A deployment run (``allowed`` not None) whose ``overrides`` set a field that names code for a stage to run (any
+    stage's ``plugins``: ``reward.func``, ``rollout.agent``, ``eval_grader``, ``grader``) is refused, naming the field,
+    unless the deployment allows it: whoever may start a run must not choose the code it executes."""
+    if allowed is None or allowed:
+        return
+    code_fields = sorted({f for name in registry.STAGES for f in registry.spec(name).plugins})
+    for name, fields in overrides.items():
+        for key in fields or {}:
+            for field in code_fields:
+                if key == field or field.startswith(key + ".") or key.startswith(field + "."):
+                    raise RecipeError(f"overrides.{name}.{key}: names code for the stage to run ({field}); a deployment run "
+                                      "can't set it unless the deployment is deployed with allow_code_overrides: true "
+                                      "(its parameters in prefect.yaml)")
 
 
 def check_refresh(p: Plan, refresh: list[str], pipeline: str) -> None:
@@ -84,9 +131,14 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
             if runs is not None:
                 runs[st.spec.name] = run
             force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
-            if not force and not cached_result_usable(run.key):
+            skip_cache, cached = force, "none" if force else cached_result(run.key)
+            if cached == "stale":
                 logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")
-                force = True
+                force = skip_cache = True
+            elif cached == "unsafe":  # not read; the committed checkpoint of the same identity still counts
+                logger.warning(f"{st.spec.name}: the cached result under {run.key} is not a JSON record (a pickle?); "
+                               "moved aside unread (.refused)")
+                skip_cache = True
             task = run_stage.with_options(
                 name=f"stage-{st.spec.stage}",
                 task_run_name=st.spec.name,
@@ -94,7 +146,7 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
                 retry_delay_seconds=st.spec.retry_delay_seconds,
                 # Prefect's own deadline is a backstop: the stage's subprocess tree is ended by the launcher first
                 timeout_seconds=st.spec.timeout_s + 60 if st.spec.timeout_s else None,
-                refresh_cache=force or None,
+                refresh_cache=skip_cache or None,
             )
             outputs[st.spec.name] = task(st.spec.name, run, st.config.model_dump(mode="json"), inputs, reuse=not force,
                                          timeout_s=st.spec.timeout_s)
@@ -115,9 +167,11 @@ def _publish_report(name: str, report: EvalReport) -> None:
     )
 
 
-def _publish_summary(pipeline: str, outputs: dict[str, CheckpointRef | EvalReport], runs: dict[str, StageRun]) -> None:
+def _publish_summary(pipeline: str, outputs: dict[str, CheckpointRef | EvalReport], runs: dict[str, StageRun],
+                     gated: list | None = None, result: str | None = None) -> None:
     """The flow's last artifact: each stage's run folder (a link; ``checkpoint/`` in it holds the output),
-    checkpoint kind and digest, and its report (its curves artifact or the eval report)."""
+    checkpoint kind and digest, and its report (its curves artifact or the eval report); then the gates and the
+    pipeline's result (only when every gate passed)."""
     ids = _artifact_ids()
 
     def report(key: str) -> str:  # this run's artifact; a cached stage's curves: the key's history
@@ -134,6 +188,9 @@ def _publish_summary(pipeline: str, outputs: dict[str, CheckpointRef | EvalRepor
             continue
         has_curves = (runs[name].run_dir / "metrics.jsonl").is_file()
         lines.append(f"| {name} | {out.kind} | {link} | `{out.digest[:16]}` | {report(artifact_key(name)) if has_curves else '-'} |")
+    if gated:
+        lines += ["", f"**Gates**: {sum(r.passed for r in gated)} of {len(gated)} passed", "", gates.report(gated)]
+        lines += ["", f"**Result**: stage `{result}`, `{outputs[result].path}`" if result else "**No result**: a gate failed"]
     create_markdown_artifact(markdown="\n".join(lines) + "\n", key="pipeline-summary",
                              description=f"{pipeline}: each stage's run folder, checkpoint digest and report")
 
@@ -189,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         # the stage's traceback is in the log above, once; the last line says which stage failed and why
-        print(f"{PROG}: {e if isinstance(e, StageError) else f'{type(e).__name__}: {e}'}", file=sys.stderr)
+        print(f"{PROG}: {e if isinstance(e, StageError | gates.GateFailed) else f'{type(e).__name__}: {e}'}", file=sys.stderr)
         raise SystemExit(1) from None
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in summary.items()}, indent=2))
 

@@ -1,7 +1,10 @@
 """``make serve``: a local Prefect server on 127.0.0.1 plus the process serving the deployments.
 
 Starts ``prefect server start --host 127.0.0.1 --port PORT``, waits until ``/api/health`` answers,
-then runs ``python -m flows.deploy`` against it. On Ctrl-C or SIGTERM it stops the serving process
+then runs ``python -m flows.deploy`` against it. With ``PREFECT_SERVER_API_AUTH_STRING=user:password`` in the
+environment the server requires HTTP basic authentication on every API call (Prefect's own setting; the health
+check stays open) and the serving process authenticates with the same credentials; other clients set
+``PREFECT_API_AUTH_STRING`` to them. On Ctrl-C or SIGTERM it stops the serving process
 first and the server after (the other order leaves ``serve`` hanging).
 """
 
@@ -65,6 +68,19 @@ def local_server(port: int, log: Path, env: dict[str, str] | None = None) -> Ite
         stop(proc)
 
 
+AUTH = "PREFECT_SERVER_API_AUTH_STRING"  # the server's basic authentication, "user:password"
+CLIENT_AUTH = "PREFECT_API_AUTH_STRING"  # what a client sends
+
+
+def client_env(api: str) -> dict[str, str]:
+    """The environment of a client of the server at ``api``: its URL, and (when the server was started with basic
+    authentication) the same credentials unless the client has its own."""
+    env = {**os.environ, "PREFECT_API_URL": api}
+    if env.get(AUTH) and not env.get(CLIENT_AUTH):
+        env[CLIENT_AUTH] = env[AUTH]
+    return env
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM stops `make serve` the way Ctrl-C does
 
@@ -76,9 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     home = Path(os.environ.get("PREFECT_HOME", PROJECT_ROOT / ".prefect"))
     with local_server(args.port, home / "server.log") as api:
         print(f"[serve] Prefect server: {api.removesuffix('/api')} (UI), log {home / 'server.log'}", flush=True)
-        print("[serve] then, in another shell: PREFECT_API_URL=" + api + " .venv/bin/prefect deployment run full-rlhf/tiny", flush=True)
-        served = subprocess.Popen([sys.executable, "-m", "flows.deploy"], env={**os.environ, "PREFECT_API_URL": api},
-                                  cwd=PROJECT_ROOT, start_new_session=True)
+        auth = " PREFECT_API_AUTH_STRING=<user:password>" if os.environ.get(AUTH) else ""
+        print(f"[serve] then, in another shell: PREFECT_API_URL={api}{auth} .venv/bin/prefect deployment run full-rlhf/tiny",
+              flush=True)
+        served = subprocess.Popen([sys.executable, "-m", "flows.deploy"], env=client_env(api), cwd=PROJECT_ROOT,
+                                  start_new_session=True)
         signal.signal(signal.SIGTERM, _interrupt)
         try:
             served.wait()

@@ -51,6 +51,7 @@ class StagePlan(BaseModel):
     inputs: dict[str, str | list[str]] = Field({}, description="input name -> earlier stage name(s)")
     retries: int = Field(0, ge=0)
     retry_delay_seconds: float = Field(10.0, ge=0)
+    gates: list[str] = Field([], description="conditions on metrics the run must meet, e.g. 'rl.eval_accuracy >= sft.eval_accuracy + 0.05' or 'eval.rl.accuracy >= 0.2' (flows/gates.py); a failing one fails the flow run, its checkpoints kept")
     timeout_s: float | None = Field(None, gt=0, description="deadline of one attempt of the stage (its subprocess and everything it started); past it the process tree is ended and the attempt fails (then retried if retries are left). None: no deadline")
 
 
@@ -82,6 +83,7 @@ class PlannedStage:
 class Plan:
     recipe: PipelineRecipe
     stages: list[PlannedStage] = field(default_factory=list)
+    gates: list = field(default_factory=list)  # flows.gates.Gate, every stage's, in stage order
 
 
 def plan(source: str | Path, output_root: str | None = None, stage_overrides: dict[str, dict[str, Any]] | None = None,
@@ -125,6 +127,15 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
         output = stype.output_kind(config, kinds)
         out.stages.append(PlannedStage(spec, stype, config, output))
         produced[spec.name] = output
+    from flows.gates import parse
+
+    types = {s.name: s.stage for s in recipe.stages}
+    for i, spec in enumerate(recipe.stages):
+        for text in spec.gates:
+            try:
+                out.gates.append(parse(text, spec.name, types))
+            except RecipeError as e:
+                raise RecipeError(f"{source}: stages[{i}] ({spec.name}).{e}") from None
     return out
 
 

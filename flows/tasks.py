@@ -4,7 +4,8 @@ The cache key is the stage run's :class:`~stages.common.stage.StageRun` key, com
 flow; the same key names the run folder the stage writes into, so the Prefect cache, the folder and
 in-stage resume agree by construction. The task's result is the stage's result (a
 :class:`~checkpoints.CheckpointRef`; eval: its :class:`~stages.eval.EvalReport`), persisted by Prefect;
-:func:`cached_result_usable` is how the flow decides whether a cached one still stands. When Prefect has
+:func:`cached_result` is how the flow decides whether a cached one still stands (stored as JSON, never pickle: a
+record in another format is ignored unread). When Prefect has
 no entry but the run folder already holds a finished output of the same identity (a CLI run, a wiped
 Prefect database), the task returns that instead of training again (``refresh`` skips this).
 
@@ -67,20 +68,69 @@ def result_usable(result: Any) -> bool:
     return False
 
 
-def cached_result_usable(key: str) -> bool:
-    """False when a result is stored under ``key`` but no longer stands (checkpoint deleted or altered)."""
+def cached_result(key: str) -> str:
+    """What the result store holds under ``key``: ``none``, ``usable``, ``stale`` (a checkpoint deleted or altered,
+    a report's files gone, an unreadable record) or ``unsafe``: a record in another format than JSON (Prefect's
+    pickle, e.g. a file dropped into the result storage). An unsafe record is never deserialized (loading a pickle
+    runs whatever code it names; Prefect's own ``exists`` loads the whole record, so it is not asked): it is moved
+    aside (``<key>.refused``) before the task could see it."""
     from prefect.results import get_result_store
 
     store = get_result_store().update_for_task(run_stage)  # the store the task itself reads its cache from
-    if not store.exists(key):
-        return True  # nothing cached: the task runs anyway
+    raw = _raw_record(store, key)
+    if raw is None:
+        return "none"
+    if record_format(raw) != "json":
+        _set_aside(store, key)
+        return "unsafe"
     try:
-        return result_usable(store.read(key).result)
+        return "usable" if result_usable(store.read(key).result) else "stale"
     except Exception:  # an unreadable record counts as no cache
-        return False
+        return "stale"
 
 
-@task(cache_policy=StageCachePolicy(), persist_result=True, log_prints=True)
+def _storage(store):
+    from prefect.results import get_default_result_storage
+
+    return store.metadata_storage or store.result_storage or get_default_result_storage(_sync=True)
+
+
+def _raw_record(store, key: str) -> bytes | None:
+    """The stored record's bytes, not deserialized (None: nothing stored under ``key``)."""
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    try:
+        raw = _storage(store).read_path(key)
+        return run_coro_as_sync(raw) if hasattr(raw, "__await__") else raw
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+
+
+def record_format(raw: bytes) -> str | None:
+    """The serializer a record names in its metadata, read as plain JSON (None: not a JSON record at all)."""
+    import json
+
+    try:
+        meta = json.loads(raw)
+        meta = meta.get("metadata", meta)  # a record holds {"metadata", "result"}; separate metadata storage: the metadata
+        return (meta.get("serializer") or {}).get("type")
+    except Exception:  # noqa: BLE001  (not JSON: not ours)
+        return None
+
+
+def _set_aside(store, key: str) -> None:
+    """Move an unsafe record out of the task's way (local result storage), keeping it for whoever looks into it."""
+    import os
+
+    path = getattr(_storage(store), "_resolve_path", lambda k: None)(key)
+    if path is None or not os.path.isfile(path):
+        raise RuntimeError(f"the cached result under {key} is not a JSON record and can't be moved aside in this result "
+                           "storage; remove it before running again")
+    os.replace(path, f"{path}.refused")
+
+
+# results are JSON (a CheckpointRef or an EvalReport is plain data), never pickle: see cached_result
+@task(cache_policy=StageCachePolicy(), persist_result=True, result_serializer="json", log_prints=True)
 def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str, Any], reuse: bool = True,
               timeout_s: float | None = None) -> Any:
     """Run one stage in a subprocess (``inputs``: checkpoint refs, or {label: ref} for a list input); past

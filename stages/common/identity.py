@@ -12,6 +12,7 @@ import hashlib
 import json
 import modulefinder
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from checkpoints import CheckpointRef, load_ref, read_manifest, sha256_file
-from checkpoints.store import CheckpointError, content_digest
+from checkpoints.store import CheckpointError, content_digest, sweep
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,9 @@ NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps", 
                    "cluster", "timeout_s", "ray.call_timeout_s", "ray.startup_timeout_s", "reward.timeout_s", "reward.retries",
                    "verify_sync", "sync_tolerance", "sync_min_prob",
                    # how the weights travel and where the engines keep them: the same numbers either way (tests/integration/test_rl.py)
-                   "sync", "rollout.enforce_eager", "rollout.gpu_memory_utilization", "rollout.enable_sleep", "train.enable_sleep")
+                   "sync", "rollout.enforce_eager", "rollout.gpu_memory_utilization", "rollout.enable_sleep", "train.enable_sleep",
+                   # a hub dataset's revision counts as the commit it resolves to (StageSpec.file_digests)
+                   "data.revision", "eval_data.revision")
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = ".lock"
 
@@ -120,6 +123,8 @@ class StageRun(BaseModel):
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
+            for stale in sweep(folder.parent):  # any run's save that died midway, under the same output root
+                print(f"[{self.stage}] removed {stale} (a save whose writer is gone)", file=sys.stderr)
             yield folder
         finally:
             os.ftruncate(fd, 0)

@@ -133,13 +133,19 @@ class StageSpec:
         return make_run(self.name, parts, config.output_root)
 
     def file_digests(self, config: BaseModel) -> dict[str, str]:
-        """Content digest of every local file or folder the config names (a hub id names none)."""
+        """Content digest of every local file or folder the config names; a hub dataset id in a data section's
+        ``paths``: the commit its ``revision`` resolves to (``hub:<sha>``), so a dataset changed upstream is a new
+        identity (offline, from the local Hugging Face cache; neither: a DataError naming the id)."""
+        from datasets_prep.loading import hub_revision, is_hub_id
+
         found: dict[str, str] = {}
         for dotted in self.files:
             value = get_dotted(config, dotted)
             for item in [value] if isinstance(value, str) else value or []:
                 if item not in found and item not in ("", ".") and os.path.exists(item):
                     found[item] = path_digest(item)
+                elif item and item not in found and dotted.endswith(".paths") and is_hub_id(item):
+                    found[item] = "hub:" + hub_revision(item, get_dotted(config, dotted.rsplit(".", 1)[0] + ".revision"))
                 elif item and dotted in self.plugins and item not in found:  # file.py:name, module:name
                     from stages.common.plugins import source_file
 

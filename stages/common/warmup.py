@@ -19,5 +19,5 @@ def init_rank(job: dict, rank: int, world_size: int) -> dict:
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
-        launch("stages.common.warmup:init_rank", {}, 1, d)
+        launch("stages.common.warmup:init_rank", {}, 1, d, timeout_s=1800)  # a compile that hangs must not hang setup
     print("DeepSpeed ops ready")

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import yaml
 
-from checkpoints import verify
+from checkpoints import read_manifest, verify
 from tests.conftest import no_worker_processes
 
 pytestmark = pytest.mark.integration
@@ -154,6 +154,89 @@ def test_one_identity_decides_every_hit_and_miss_code_data_config_input_refresh_
     assert state.result()["sft"]["digest"] == cli_ref["digest"] != first["sft"]["digest"]
     assert read_manifest(cli_ref["path"]).created == created  # not trained again: the CLI's checkpoint itself
     assert not (Path(cli_ref["path"]).parent / "task").exists()  # the flow launched no stage process for it
+
+
+class _Boom:
+    """Unpickling it creates ``marker`` (what a pickle dropped into the result storage could do: run code)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_results_are_json_and_a_pickle_placed_in_the_result_storage_is_never_unpickled(results, task_files):
+    """Every cached stage result is stored as JSON; a pickle record put under a stage's key is ignored unread: the
+    stage's committed checkpoint of the same identity is picked up instead (not trained again), and the code
+    the pickle names never runs."""
+    from prefect.results import get_result_store
+    from prefect.serializers import PickleSerializer
+
+    from flows.tasks import run_stage
+
+    recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs")
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
+    first = state.result()
+    storage = results / "prefect-results"
+    for record in storage.iterdir():  # task records name their serializer; the flow's summary is plain JSON
+        data = json.loads(record.read_bytes())
+        assert "metadata" not in data or data["metadata"]["serializer"]["type"] == "json", record
+    key = Path(first["sft"]["path"]).parent.name  # the SFT task's cache key: its run's identity, the folder's name
+    assert json.loads((storage / key).read_bytes())["metadata"]["serializer"]["type"] == "json"
+    marker = results / "pwned"
+    store = get_result_store().update_for_task(run_stage).model_copy(update={"serializer": PickleSerializer()})
+    store.write(key=key, obj=_Boom(marker))
+    assert json.loads((storage / key).read_bytes())["metadata"]["serializer"]["type"] == "pickle"
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Completed", 1)}
+    assert state.result()["sft"] == first["sft"]  # the committed checkpoint, found by identity
+    assert read_manifest(first["sft"]["path"]).created == read_manifest(state.result()["sft"]["path"]).created
+    assert not marker.exists()
+    assert json.loads((storage / key).read_bytes())["metadata"]["serializer"]["type"] == "json"  # rewritten as JSON
+    assert (storage / f"{key}.refused").is_file()  # the pickle, kept aside for whoever looks into it, never loaded
+
+
+def test_a_passing_gate_names_the_result_and_a_failing_one_fails_the_run_keeping_the_checkpoints(results, task_files):
+    """Gates on SFT's metrics: one that holds gives the run its result (the SFT checkpoint) in the summary; one that
+    doesn't (the stages come back Cached: gates are not part of any identity) fails the flow run naming the gate,
+    the value and the threshold, shows it in the run summary, and leaves every checkpoint as it was."""
+    recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs")
+    data = yaml.safe_load(recipe.read_text())
+    data["stages"][1]["gates"] = ["sft.loss <= 100"]
+    recipe.write_text(yaml.safe_dump(data))
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert state.is_completed() and tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
+    summary = state.result()
+    assert summary["pipeline_result"] == {"stage": "sft", **summary["sft"]}
+    loss = json.loads((Path(summary["sft"]["path"]).parent / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+    assert "| `sft.loss <= 100` | sft |" in _summary_markdown(state) and "**Result**: stage `sft`" in _summary_markdown(state)
+
+    data["stages"][1]["gates"] = ["sft.loss <= 0.001"]
+    recipe.write_text(yaml.safe_dump(data))
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert state.is_failed() and tasks == {"base": ("Cached", 1), "sft": ("Cached", 1)}
+    with pytest.raises(Exception, match=rf"1 of 1 gate\(s\) failed: stage 'sft': sft.loss <= 0.001: sft.loss = {loss:.6g} "
+                                        r"not <= 0.001 \(the checkpoints stand; the run has no result\)"):
+        state.result()
+    assert "**No result**: a gate failed" in _summary_markdown(state)
+    assert verify(summary["sft"]["path"]).digest == summary["sft"]["digest"]
+
+
+def _summary_markdown(state) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-summary"])),
+                                     flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    return arts[0].data
 
 
 def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage_and_the_ui_shows_curves_report_and_summary(results, task_files, monkeypatch):
@@ -343,6 +426,14 @@ def test_work_pool_deployment_run_with_a_parameter_override_and_a_retry_from_the
             assert states() == {"base": ["Completed"], "dpo": ["Failed"]}
             assert "pairs.jsonl" in log.read_text()  # the stage's error names the file
 
+            # a run's overrides can't choose code for a stage to run: refused by name before anything is planned
+            evil = tmp_path / "evil.py"
+            evil.write_text(f"open({str(tmp_path / 'pwned')!r}, 'w').close()\ndef reward_func(q, p, l):\n    return [0.0] * len(q)\n")
+            _, text = deployment_run(env, tmp_path, f"pipeline={recipe}", "overrides=" + json.dumps({"rl": {"reward.func": str(evil)}}))
+            assert "Failed" in text, text
+            assert "overrides.rl.reward.func: names code for the stage to run (reward.func)" in log.read_text(), log.read_text()[-3000:]
+            assert not (tmp_path / "pwned").exists()
+
             shutil.copy(task_files["preference"], pairs)
             prefect_cli(env, "flow-run", "retry", run_id)
             deadline = time.time() + 300
@@ -356,6 +447,45 @@ def test_work_pool_deployment_run_with_a_parameter_override_and_a_retry_from_the
             assert after["base"][-1] == "Cached" and after["dpo"][-1] == "Completed", after
         finally:
             stop(worker)
+
+
+def test_a_server_started_with_basic_auth_refuses_clients_without_it(tmp_path):
+    """make serve / make server with PREFECT_SERVER_API_AUTH_STRING: every API call needs the credentials (Prefect's
+    own middleware), the health check stays open, and a client with PREFECT_API_AUTH_STRING works."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    from flows.local_server import client_env, local_server
+    from stages.common.launcher import free_port
+
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_API_AUTH_STRING": "team:s3cret"}
+    env.pop("PREFECT_API_AUTH_STRING", None)
+    with local_server(free_port(), tmp_path / "server.log", env) as api:
+        def call(auth: str | None) -> int:
+            req = urllib.request.Request(f"{api}/flows/filter", data=b"{}", headers={"Content-Type": "application/json"})
+            if auth:
+                req.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert (call(None), call("team:wrong"), call("team:s3cret")) == (401, 401, 200)
+        bare = {**env, "PREFECT_API_URL": api}
+        out = subprocess.run([sys.executable, "-m", "prefect", "work-pool", "ls"], env=bare, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "401" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+        os.environ["PREFECT_SERVER_API_AUTH_STRING"] = "team:s3cret"  # what make serve's own clients get
+        try:
+            client = client_env(api)
+        finally:
+            del os.environ["PREFECT_SERVER_API_AUTH_STRING"]
+        assert client["PREFECT_API_AUTH_STRING"] == "team:s3cret"
+        out = subprocess.run([sys.executable, "-m", "prefect", "work-pool", "ls"], env={**bare, **client}, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
 def test_nightly_fails_on_a_drifted_trajectory(results, task_files):

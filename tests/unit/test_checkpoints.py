@@ -107,6 +107,24 @@ def test_killed_save_leaves_no_complete_looking_folder(tmp_path):
         verify(leftovers[0])
 
 
+def test_the_next_stage_start_under_the_same_root_removes_dead_writers_saves_only(tmp_path):
+    """Leftovers of killed saves in any run folder under the output root (their writers dead) are removed when any
+    stage run starts there; a save still being written (its writer alive) is left alone."""
+    from stages.common.identity import StageRun
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale = [tmp_path / "sft-aaa" / f".checkpoint.partial-{dead}-0001", tmp_path / "dpo-bbb" / "state" / "x",
+             tmp_path / "dpo-bbb" / f".checkpoint.partial-{dead}-0002"]
+    live = tmp_path / "rl-ccc" / f".checkpoint.partial-{os.getpid()}-0003"
+    for folder in [*stale, live]:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+    with StageRun(stage="eval", key="eval-ddd", output_root=str(tmp_path), parts={}).claimed():
+        pass
+    assert not stale[0].exists() and not stale[2].exists()
+    assert stale[1].exists() and live.exists()  # another run's own files; a save in progress
+
+
 _REPLACE_SCRIPT = """
 import os, shutil, signal, sys, json
 sys.path.insert(0, {root!r})

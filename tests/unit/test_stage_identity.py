@@ -141,3 +141,35 @@ def test_an_input_the_config_does_not_use_is_not_part_of_the_identity(tmp_path):
     assert spec.identify(grpo, {"policy": ref("a"), "critic": ref("rm")}).key == spec.identify(grpo, {"policy": ref("a")}).key
     assert spec.resolve_inputs(grpo, {"policy": ref("a"), "critic": ref("rm")})["critic"] is None
     assert spec.identify(ppo, {"policy": ref("a"), "critic": ref("rm")}).key != spec.identify(ppo, {"policy": ref("a")}).key
+
+
+def test_a_hub_dataset_id_enters_the_identity_as_the_commit_it_resolves_to(tmp_path, monkeypatch, micro_model):
+    """Offline, from a hub-style local cache (refs/<branch> -> commit): the dataset moving upstream (a new commit on
+    main) is a new identity; data.revision pins a commit (or names a branch or tag); nothing cached: a DataError
+    naming the id."""
+    from datasets_prep.loading import DataError
+    from stages import registry
+    from stages.sft import SFTConfig
+
+    refs = tmp_path / "hub" / "datasets--org--toy" / "refs"
+    refs.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = registry.spec("sft")
+
+    def identity(**data):
+        cfg = SFTConfig.model_validate({"data": {"paths": ["org/toy"], **data}, "output_root": str(tmp_path / "runs")})
+        return spec.file_digests(cfg), spec.identify(cfg, {"base": micro_model}).key
+
+    (refs / "main").write_text("a" * 40 + "\n")
+    files_a, key_a = identity()
+    (refs / "main").write_text("b" * 40)
+    files_b, key_b = identity()
+    assert files_a == {"org/toy": "hub:" + "a" * 40} and files_b == {"org/toy": "hub:" + "b" * 40}
+    assert key_a != key_b
+    assert identity(revision="a" * 40)[1] == key_a  # pinned: the same identity as when main was there
+    (refs / "v1").write_text("c" * 40)
+    assert identity(revision="v1")[0] == {"org/toy": "hub:" + "c" * 40}
+    with pytest.raises(DataError, match=r"^org/other: a hub dataset id whose revision 'main' can't be resolved to a commit: "
+                                        r"offline \(HF_HUB_OFFLINE=1\) and not in the local Hugging Face cache"):
+        spec.file_digests(SFTConfig.model_validate({"data": {"paths": ["org/other"]}}))
