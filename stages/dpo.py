@@ -234,6 +234,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
     history = trainer.fit(
         eng, items, lambda its: collate_pairs(its, pad), loss_fn, num_pairs, config.train, total,
         Path(job["run_dir"]), rank, world_size, evaluate=evaluate if eval_items else None, eval_steps=config.eval_steps,
+        export=lambda folder: trainer.export_hf(eng, folder, tokenizer, rank),
     )
     trainer.export_hf(eng, Path(job["export_dir"]), tokenizer, rank)
     return {"final": history[-1] if history else {}, "first": history[0] if history else {}, "steps": total}

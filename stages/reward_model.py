@@ -156,20 +156,27 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
         c, r = score_eval()
         return {"accuracy": (c > r).float().mean().item(), "chosen_reward": c.mean().item(), "rejected_reward": r.mean().item()}
 
+    def export(folder: Path) -> dict[str, float]:
+        """The model as it is now, with its held-out reward statistics in its config (for normalize_reward)."""
+        stats = {}
+        if eval_pairs:
+            eng.engine.eval()
+            with torch.no_grad():
+                c, r = score_eval()
+            eng.engine.train()
+            allr = torch.cat([c, r])
+            stats = {"reward_mean": allr.mean().item(), "reward_std": allr.std().item(), "eval_accuracy": (c > r).float().mean().item()}
+        model = eng.engine.module.get_base_model() if eng.is_peft else eng.engine.module
+        model.config.update({k: v for k, v in stats.items() if k.startswith("reward_")})
+        trainer.export_hf(eng, folder, tokenizer, rank)
+        return stats
+
     history = trainer.fit(
         eng, items, lambda its: collate_pairs(its, pad), loss_fn, num_pairs, config.train, total,
         Path(job["run_dir"]), rank, world_size, evaluate=evaluate if eval_pairs else None, eval_steps=config.eval_steps,
+        export=export,
     )
-    stats = {}
-    if eval_pairs:
-        eng.engine.eval()
-        with torch.no_grad():
-            c, r = score_eval()
-        allr = torch.cat([c, r])
-        stats = {"reward_mean": allr.mean().item(), "reward_std": allr.std().item(), "eval_accuracy": (c > r).float().mean().item()}
-    model = eng.engine.module.get_base_model() if eng.is_peft else eng.engine.module
-    model.config.update({k: v for k, v in stats.items() if k.startswith("reward_")})
-    trainer.export_hf(eng, Path(job["export_dir"]), tokenizer, rank)
+    stats = export(Path(job["export_dir"]))
     return {"final": history[-1] if history else {}, "steps": total, "reward_stats": stats}
 
 

@@ -127,6 +127,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
         world_size,
         evaluate=evaluate if eval_items else None,
         eval_steps=config.eval_steps,
+        export=lambda folder: trainer.export_hf(eng, folder, tokenizer, rank),
     )
     probe = collate(items[: config.train.micro_train_batch_size], tokenizer.pad_token_id)
     logits = trainer.forward_logits(eng, probe)

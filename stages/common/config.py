@@ -43,6 +43,15 @@ class StageConfig(BaseModel):
                 raise ValueError(f"{dotted}: {value!r}: this stage does not read it; {instead}")
         return data
 
+    @model_validator(mode="after")
+    def _best_needs_its_metric(self) -> StageConfig:
+        """``train.save_best`` on a held-out metric needs the held-out data that logs it."""
+        best = getattr(getattr(self, "train", None), "save_best", None)
+        if best is not None and best.metric.startswith("eval_") and getattr(self, "eval_data", False) is None:
+            raise ValueError(f"train.save_best.metric: {best.metric!r} is a held-out metric and eval_data is not set (it "
+                             "is what logs eval_* metrics)")
+        return self
+
 
 # what a stage that reads prompts (RL, eval) does not read of its data section
 PROMPT_DATA_UNUSED = {
@@ -70,6 +79,15 @@ def section_unused(section: str, unused: Mapping[str, str]) -> dict[str, str]:
     return {f"{section}.{k}": v for k, v in unused.items()}
 
 
+class SaveBestConfig(BaseModel):
+    """Keep the step with the best value of a logged metric as the stage's output (the last step's beside it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metric: str = Field(min_length=1, description="a metric the stage logs, e.g. eval_loss (held-out metrics carry the eval_ prefix; they are logged every eval_steps and after the last step)")
+    mode: Literal["min", "max"] = Field("min", description="min: the lowest value is best; max: the highest")
+
+
 class TrainConfig(BaseModel):
     """DeepSpeed, batch, optimizer and schedule settings of a training stage."""
 
@@ -91,6 +109,7 @@ class TrainConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, more compute)")
     seed: int = Field(42, description="data order and initialisation")
+    save_best: SaveBestConfig | None = Field(None, description="{metric: eval_loss, mode: min}: the stage's output is the step with the best value of that logged metric (its manifest says which step and value); the last step's weights are committed beside it as checkpoint-last. null: the last step")
     save_steps: int = Field(0, ge=0, description="in-stage checkpoint every N steps; 0 = none")
     resume: bool = Field(False, description="continue from the latest in-stage checkpoint of the same run")
     keep_last: int = Field(1, ge=1, description="in-stage checkpoints kept (state/step<N>); older ones are removed once a newer one is committed")

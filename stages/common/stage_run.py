@@ -58,16 +58,22 @@ def train_and_commit(
         inputs = [parent.path, *([base.path] if base else []), *(v for k, v in job.items() if k.endswith("_path") and v)]
         result = launch(f"stages.{run.stage}:train_rank", full_job, config.train.world_size, run_dir, timeout_s=config.train.timeout_s,
                         cluster=getattr(config, "cluster", None), inputs=inputs)
-        return commit(
-            tmp,
-            dest,
-            stage=run.stage,
-            kind=kind,
-            config_hash=run.key,
-            parent=parent,
-            base=base,
-            extra={**extra, **result},
-        )
+        meta = dict(stage=run.stage, kind=kind, config_hash=run.key, parent=parent, base=base)
+        if config.train.save_best is None:
+            return commit(tmp, dest, **meta, extra={**extra, **result})
+        best = _best(run_dir, config.train.save_best, result)
+        last = commit(tmp, run_dir / "checkpoint-last", **meta, extra={**extra, **result, "last_step": True})
+        return commit(run_dir / "best", dest, **meta, extra={**extra, **result, "best": best, "last": last.digest})
+
+
+def _best(run_dir: Path, cfg, result: dict) -> dict:
+    """What ``train.save_best`` kept (the step, the metric's value), or an error naming the metric and what was logged."""
+    record = run_dir / "best.json"
+    if not record.is_file() or not (run_dir / "best").is_dir():
+        logged = sorted(k for k in (result.get("final") or {}) if k != "step")
+        raise RuntimeError(f"train.save_best.metric: {cfg.metric!r} was never logged with a value, so no step was kept "
+                           f"(the last step logged: {', '.join(logged)}; held-out metrics need eval_data)")
+    return json.loads(record.read_text())
 
 
 def read_items(job: dict) -> list[dict]:

@@ -312,17 +312,20 @@ def fit(
     world_size: int,
     evaluate: Callable[[], dict[str, float]] | None = None,
     eval_steps: int = 0,
+    export: Callable[[Path], None] | None = None,
 ) -> list[dict[str, float]]:
     """The step loop. Returns the per-step metrics (on every rank).
 
     ``evaluate`` (called on every rank, in eval mode, every ``eval_steps`` and after the last step)
-    returns held-out metrics, logged with an ``eval_`` prefix.
+    returns held-out metrics, logged with an ``eval_`` prefix. ``export(folder)`` (every rank; rank 0 writes):
+    with ``train.save_best``, each step whose metric improves is exported to ``run_dir/best`` (:class:`Best`).
     """
     from tqdm import tqdm
 
     engine = eng.engine
     schedule = BatchSchedule(len(items), train.train_batch_size, train.micro_train_batch_size, world_size, train.seed)
     start = _resume(engine, run_dir, train)
+    best = Best(train.save_best, run_dir, rank, fresh=start == 0) if train.save_best is not None and export is not None else None
     writer = MetricsWriter(run_dir, start, enabled=rank == 0)
     history: list[dict[str, float]] = []
     bar = tqdm(total=total_steps, initial=start, disable=rank != 0 or not train.progress_bar, desc="train")
@@ -345,6 +348,8 @@ def fit(
         )
         if evaluate is not None and ((eval_steps and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
             metrics.update(_evaluated(engine, evaluate))
+        if best is not None:
+            best.offer(step + 1, metrics, export)
         history.append({"step": step + 1, **metrics})
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}")
@@ -352,6 +357,43 @@ def fit(
     bar.close()
     writer.close()
     return history
+
+
+class Best:
+    """``train.save_best``: the best step so far by one logged metric, its weights exported to ``run_dir/best`` (a
+    better step replaces them; ``best.json``, written after the weights, says which step and value, and carries
+    over a resume)."""
+
+    FOLDER, RECORD = "best", "best.json"
+
+    def __init__(self, cfg, run_dir: Path, rank: int, fresh: bool):
+        """``fresh``: the run starts at step 0, so a best of an earlier attempt is not this run's (dropped)."""
+        self.cfg, self.run_dir, self.rank = cfg, run_dir, rank
+        record = run_dir / self.RECORD
+        if fresh and rank == 0:
+            record.unlink(missing_ok=True)
+        self.value = None if fresh or not record.is_file() or not (run_dir / self.FOLDER).is_dir() else json.loads(record.read_text())["value"]
+
+    def better(self, value: float) -> bool:
+        return self.value is None or (value < self.value if self.cfg.mode == "min" else value > self.value)
+
+    def offer(self, step: int, metrics: dict[str, float], export: Callable[[Path], None]) -> None:
+        import shutil
+
+        value = metrics.get(self.cfg.metric)
+        if value is None or value != value or not self.better(value):  # not logged at this step, or NaN
+            return
+        staged = self.run_dir / f".{self.FOLDER}.partial"
+        if self.rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        export(staged)  # collective under ZeRO-3: every rank gathers, rank 0 writes
+        if self.rank == 0:
+            (self.run_dir / self.RECORD).unlink(missing_ok=True)
+            shutil.rmtree(self.run_dir / self.FOLDER, ignore_errors=True)
+            os.replace(staged, self.run_dir / self.FOLDER)
+            (self.run_dir / self.RECORD).write_text(json.dumps({"metric": self.cfg.metric, "mode": self.cfg.mode, "step": step,
+                                                                "value": value}))
+        self.value = value
 
 
 def _finish_step(engine, done: int, total_steps: int, metrics: dict[str, float], writer: MetricsWriter, train: TrainConfig,

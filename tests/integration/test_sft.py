@@ -178,3 +178,36 @@ def test_bad_input_stops_before_any_rank_starts(task_files, micro_model, tmp_pat
 
         resolve_model(str(task_files["sft"].parent), str(tmp_path))
     assert not list(tmp_path.glob("sft-*"))  # nothing was launched or written
+
+
+@pytest.mark.parametrize("best,expect", [({"metric": "eval_loss", "mode": "min"}, "argmin"), ({"metric": "loss", "mode": "max"}, "first")],
+                         ids=["eval_loss_min", "loss_max"])
+def test_save_best_outputs_the_best_step_and_keeps_the_last_beside_it(task_files, micro_model, tmp_path, best, expect):
+    """train.save_best: the stage's output is the step whose logged metric is best (checked against metrics.jsonl),
+    its manifest names the step and value; the last step's weights are committed beside it (checkpoint-last).
+    ZeRO-3 on two ranks (the export is collective). loss/max picks step 1, so best and last must differ."""
+    data = _config(task_files, tmp_path, world_size=2, zero_stage=3, micro_train_batch_size=2).model_dump()
+    data["train"]["save_best"], data["eval_steps"] = best, 1
+    data["eval_data"] = {"paths": [str(task_files["sft"])], "input_key": "messages", "output_key": None, "max_len": 64, "max_samples": 16}
+    ref = run_sft(SFTConfig.model_validate(data), micro_model)
+    run_dir = Path(ref.path).parent
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    values = [r[best["metric"]] for r in rows]
+    step = rows[values.index(min(values) if best["mode"] == "min" else max(values))]["step"]
+    if expect == "first":
+        assert step == 1
+    m = read_manifest(ref.path)
+    assert m.extra["best"] == {"metric": best["metric"], "mode": best["mode"], "step": step, "value": pytest.approx(values[step - 1])}
+    last = run_dir / "checkpoint-last"
+    assert m.extra["last"] == verify(last).digest and read_manifest(last).extra["last_step"] is True
+    verify(ref)
+    weights, last_weights = load_file(str(Path(ref.path) / "model.safetensors")), load_file(str(last / "model.safetensors"))
+    assert weights.keys() == last_weights.keys()
+    same = all(torch.equal(weights[k], last_weights[k]) for k in weights)
+    assert same == (step == len(rows)), (step, len(rows))
+    assert not (run_dir / "best").exists()  # committed as checkpoint
+
+
+def test_save_best_on_a_held_out_metric_without_held_out_data_is_refused():
+    with pytest.raises(ValueError, match=r"train.save_best.metric: 'eval_loss' is a held-out metric and eval_data is not set"):
+        SFTConfig.model_validate({"data": {"paths": ["x.jsonl"]}, "train": {"save_best": {"metric": "eval_loss"}}})
