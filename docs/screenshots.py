@@ -3,7 +3,8 @@ RL stage's training-curves artifact, its eval report, and the newest run summary
 (Debian's ``chromium`` package).
 
 Run, with ``make serve`` running and a finished ``prefect deployment run full-rlhf/tiny``:
-``PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/python docs/screenshots.py`` (writes docs/ui-*.png)
+``PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/python docs/screenshots.py`` (writes docs/ui-*.png);
+``--sweep``: the newest sweep comparison (after a run of ``recipes/pipelines/sweep.yaml``).
 """
 
 from __future__ import annotations
@@ -39,9 +40,18 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stage", default="rl", help="the stage whose curves artifact to show")
+    ap.add_argument("--sweep", action="store_true", help="only the newest sweep comparison (docs/ui-sweep-comparison.png)")
     args = ap.parse_args()
     api = os.environ.get("PREFECT_API_URL", "http://127.0.0.1:4200/api")
     ui = api.removesuffix("/api")
+    if args.sweep:
+        with get_client(sync_client=True) as client:
+            (art,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sweep-comparison"])),
+                                           sort=ArtifactSort.CREATED_DESC, limit=1) or [None]
+        if art is None:
+            raise SystemExit(f"no sweep-comparison artifact on {api}: run a pipeline with a sweep first")
+        shoot(f"{ui}/artifacts/artifact/{art.id}", HERE / "ui-sweep-comparison.png", 1440, 1000)
+        return
     keys = {f"{args.stage}-curves": f"ui-{args.stage}-curves.png", "eval-report-eval": "ui-eval-report.png"}
     with get_client(sync_client=True) as client:
         # the newest flow run that trained the stage (a later all-Cached run publishes no curves)

@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from checkpoints import CheckpointRef, remembered_hashes
-from flows import gates
+from flows import gates, sweeps
 from flows.curves import artifact_key, data_uri, prefect_key
 from flows.pipeline import PROJECT_ROOT, Plan, plan
 from flows.tasks import StageError, cached_result, run_stage
@@ -67,6 +67,11 @@ def full_rlhf(
             print(f"[full-rlhf] {name} report: {out.markdown}\n{Path(out.markdown).read_text()}")
         else:
             summary[name] = {"path": out.path, "kind": out.kind, "digest": out.digest}
+    if p.variants:  # a sweep: every variant side by side
+        markdown, rows = sweeps.comparison(p.variants, outputs, runs)
+        create_markdown_artifact(markdown=markdown, key="sweep-comparison",
+                                 description=f"{pipeline}: {len(rows)} variants, their overrides, final metrics and held-out curves")
+        summary["sweep"] = rows
     passed = all(r.passed for r in gated)
     _publish_summary(pipeline, outputs, runs, gated, result if passed else None)
     for r in gated:
@@ -248,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         # the stage's traceback is in the log above, once; the last line says which stage failed and why
         print(f"{PROG}: {e if isinstance(e, StageError | gates.GateFailed) else f'{type(e).__name__}: {e}'}", file=sys.stderr)
         raise SystemExit(1) from None
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in summary.items()}, indent=2))
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} if isinstance(v, dict) else v
+                      for k, v in summary.items()}, indent=2))
 
 
 if __name__ == "__main__":

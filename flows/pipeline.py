@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flows.sweeps import SweepConfig
 from stages import registry
 from stages.common.cli import did_you_mean
 from stages.common.recipe import (
@@ -62,6 +63,7 @@ class PipelineRecipe(BaseModel):
     output_root: str = Field("runs", description="every stage's run folders go under it (overrides the stage recipes' output_root)")
     cluster: dict[str, Any] = Field({}, description="every training stage's ``cluster`` section (e.g. {address: \"ray-head:6379\"}: the whole pipeline on an existing Ray cluster); a stage's own overrides still win. Not part of any run's identity")
     stages: list[StagePlan] = Field(min_length=1, description="the stages in the order they run")
+    sweep: SweepConfig | None = Field(None, description="variants of some stages from the same upstream stages: {grid: {rl.algo.advantage_estimator: [group_norm, rloo]}} or {variants: [...]} (flows/sweeps.py)")
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Plan:
     recipe: PipelineRecipe
     stages: list[PlannedStage] = field(default_factory=list)
     gates: list = field(default_factory=list)  # flows.gates.Gate, every stage's, in stage order
+    variants: list[dict[str, Any]] = field(default_factory=list)  # a sweep's (flows.sweeps.expand)
 
 
 def plan(source: str | Path, output_root: str | None = None, stage_overrides: dict[str, dict[str, Any]] | None = None,
@@ -112,6 +115,13 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
         raise RecipeError(f"{source}: overrides for stages {sorted(unknown)} that the pipeline does not have{hint} "
                           f"(its stages: {names})")
     out = Plan(recipe)
+    if recipe.sweep is not None:
+        from flows.sweeps import expand
+
+        stages, out.variants = expand(recipe.stages, recipe.sweep, source)
+        recipe = recipe.model_copy(update={"stages": stages})
+        out.recipe = recipe
+    copied_from = {copy: original for v in out.variants for original, copy in v["stages"].items()}
     produced: dict[str, str] = {}  # stage name -> output kind
     for i, spec in enumerate(recipe.stages):
         where = f"{source}: stages[{i}] ({spec.name})"
@@ -120,7 +130,8 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
         if spec.name in produced:
             raise RecipeError(f"{where}.name: {spec.name!r} is used by an earlier stage; stage names must be unique")
         stype = registry.spec(spec.stage)
-        overrides = {**spec.overrides, **((stage_overrides or {}).get(spec.name) or {})}
+        given = stage_overrides or {}  # a swept stage's copies take the overrides given for it by its own name
+        overrides = {**spec.overrides, **(given.get(spec.name) or given.get(copied_from.get(spec.name, "")) or {})}
         config = _load_stage_config(stype, spec, overrides, recipe, where)
         _preflight(stype, config, where)
         kinds = _input_kinds(stype, spec, produced, {s.name for s in recipe.stages}, where)

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from checkpoints import CheckpointRef, commit, staging
 from checkpoints.store import CheckpointKind
+from stages.common.config import SaveBestConfig
 from stages.common.launcher import launch
 from stages.common.stage import StageRun
 
@@ -66,7 +67,7 @@ def train_and_commit(
         return commit(run_dir / "best", dest, **meta, extra={**extra, **result, "best": best, "last": last.digest})
 
 
-def _best(run_dir: Path, cfg, result: dict) -> dict:
+def _best(run_dir: Path, cfg: SaveBestConfig, result: dict) -> dict:
     """What ``train.save_best`` kept (the step, the metric's value), or an error naming the metric and what was logged."""
     record = run_dir / "best.json"
     if not record.is_file() or not (run_dir / "best").is_dir():

@@ -22,7 +22,7 @@ import torch
 
 from checkpoints.state import commit_state, resumable_state, tag_of
 from datasets_prep.packing import BatchSchedule
-from stages.common.config import LoraConfig, TrainConfig
+from stages.common.config import LoraConfig, SaveBestConfig, TrainConfig
 from stages.common.progress import report_progress
 
 STATE_DIR = "state"
@@ -366,21 +366,21 @@ class Best:
 
     FOLDER, RECORD = "best", "best.json"
 
-    def __init__(self, cfg, run_dir: Path, rank: int, fresh: bool):
+    def __init__(self, cfg: SaveBestConfig, run_dir: Path, rank: int, fresh: bool):
         """``fresh``: the run starts at step 0, so a best of an earlier attempt is not this run's (dropped)."""
-        self.cfg, self.run_dir, self.rank = cfg, run_dir, rank
+        self.metric, self.mode, self.run_dir, self.rank = cfg.metric, cfg.mode, run_dir, rank
         record = run_dir / self.RECORD
         if fresh and rank == 0:
             record.unlink(missing_ok=True)
         self.value = None if fresh or not record.is_file() or not (run_dir / self.FOLDER).is_dir() else json.loads(record.read_text())["value"]
 
     def better(self, value: float) -> bool:
-        return self.value is None or (value < self.value if self.cfg.mode == "min" else value > self.value)
+        return self.value is None or (value < self.value if self.mode == "min" else value > self.value)
 
     def offer(self, step: int, metrics: dict[str, float], export: Callable[[Path], None]) -> None:
         import shutil
 
-        value = metrics.get(self.cfg.metric)
+        value = metrics.get(self.metric)
         if value is None or value != value or not self.better(value):  # not logged at this step, or NaN
             return
         staged = self.run_dir / f".{self.FOLDER}.partial"
@@ -391,7 +391,7 @@ class Best:
             (self.run_dir / self.RECORD).unlink(missing_ok=True)
             shutil.rmtree(self.run_dir / self.FOLDER, ignore_errors=True)
             os.replace(staged, self.run_dir / self.FOLDER)
-            (self.run_dir / self.RECORD).write_text(json.dumps({"metric": self.cfg.metric, "mode": self.cfg.mode, "step": step,
+            (self.run_dir / self.RECORD).write_text(json.dumps({"metric": self.metric, "mode": self.mode, "step": step,
                                                                 "value": value}))
         self.value = value
 

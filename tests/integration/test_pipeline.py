@@ -239,6 +239,40 @@ def _summary_markdown(state) -> str:
     return arts[0].data
 
 
+def test_a_sweep_of_three_rl_variants_trains_sft_once_and_publishes_one_comparison(results, task_files):
+    """sweep.grid over rl.algo.advantage_estimator: base and SFT run once, three RL copies (rl-v0..v2) each with its
+    estimator; one comparison artifact (read back through Prefect's API) with a row per variant and the held-out
+    curves; the same sweep again comes back Cached throughout."""
+    recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs")
+    data = yaml.safe_load(recipe.read_text())
+    data["stages"].append({"name": "rl", "stage": "rl", "recipe": "recipes/rl/tiny.yaml", "inputs": {"policy": "sft"}, "overrides": {
+        "data.paths": [str(task_files["rl_prompts"])], "eval_data.paths": [str(task_files["eval"])], "eval_steps": 0,
+        "rollout.rollout_batch_size": 8, "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 6,
+        "train.train_batch_size": 16, "train.micro_train_batch_size": 16, "max_steps": 2, "train.progress_bar": False}})
+    estimators = ["group_norm", "rloo", "reinforce_baseline"]
+    data["sweep"] = {"grid": {"rl.algo.advantage_estimator": estimators}}
+    recipe.write_text(yaml.safe_dump(data))
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1), **{f"rl-v{i}": ("Completed", 1) for i in range(3)}}
+    summary = state.result()
+    rows = summary["sweep"]
+    assert [r["overrides"] for r in rows] == [f"rl.algo.advantage_estimator={e}" for e in estimators]
+    for i, r in enumerate(rows):
+        run_dir = Path(summary[f"rl-v{i}"]["path"]).parent
+        assert json.loads((run_dir / "identity.json").read_text())["config"]["algo"]["advantage_estimator"] == estimators[i]
+        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        assert r["rl.eval_accuracy"] == last["eval_accuracy"] and r["rl.reward_mean"] == last["reward_mean"]
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        (art,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sweep-comparison"])))
+    assert all(f"| v{i} | rl.algo.advantage_estimator={e} |" in art.data for i, e in enumerate(estimators)), art.data[:2000]
+    assert "rl.eval_accuracy" in art.data and "data:image/png;base64," in art.data
+    state, tasks = run_flow(pipeline=str(recipe))
+    assert set(tasks.values()) == {("Cached", 1)} and len(tasks) == 5
+
+
 def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage_and_the_ui_shows_curves_report_and_summary(results, task_files, monkeypatch):
     recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs", with_dpo=True, with_sft=False)
     monkeypatch.setenv("RLHF_FAULT_STEP", "2")  # the trainer raises after step 2: only DPO gets there
