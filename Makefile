@@ -49,9 +49,12 @@ deploy worker: export PREFECT_API_URL ?= http://127.0.0.1:$(PORT)/api
 server: setup
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PORT)
 
+# STAGE_POOLS="gpu cpu": also a run-stage/<pool> deployment on each of those pools, for pipeline stages with work_pool:
 deploy: setup
 	$(VENV)/bin/prefect work-pool inspect $(POOL) >/dev/null 2>&1 || $(VENV)/bin/prefect work-pool create $(POOL) --type process
 	$(VENV)/bin/prefect --no-prompt deploy --all
+	for p in $(STAGE_POOLS); do $(VENV)/bin/prefect work-pool inspect $$p >/dev/null 2>&1 || $(VENV)/bin/prefect work-pool create $$p --type process; done
+	$(if $(STAGE_POOLS),$(PY) -m flows.stage_flow deploy $(STAGE_POOLS))
 
 worker: setup
 	$(VENV)/bin/prefect worker start --pool $(POOL)

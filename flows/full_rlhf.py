@@ -26,7 +26,7 @@ from checkpoints import CheckpointRef, remembered_hashes
 from flows import gates, sweeps
 from flows.curves import artifact_key, data_uri, prefect_key
 from flows.pipeline import PROJECT_ROOT, Plan, plan
-from flows.tasks import StageError, cached_result, run_stage
+from flows.tasks import StageError, cached_result, run_stage, run_stage_on_pool
 from stages import registry
 from stages.common.cli import DEBUG_ENV, did_you_mean, one_line_errors, take_debug
 from stages.common.recipe import RecipeError
@@ -144,7 +144,8 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
                 logger.warning(f"{st.spec.name}: the cached result under {run.key} is not a JSON record (a pickle?); "
                                "moved aside unread (.refused)")
                 skip_cache = True
-            task = run_stage.with_options(
+            pool = st.spec.work_pool  # a stage on a work pool of its own: its flow run there, waited for
+            task = (run_stage_on_pool if pool else run_stage).with_options(
                 name=f"stage-{st.spec.stage}",
                 task_run_name=st.spec.name,
                 retries=st.spec.retries,
@@ -153,8 +154,9 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
                 timeout_seconds=st.spec.timeout_s + 60 if st.spec.timeout_s else None,
                 refresh_cache=skip_cache or None,
             )
+            where = {"pool": pool, "job_variables": st.spec.job_variables} if pool else {}
             outputs[st.spec.name] = task(st.spec.name, run, st.config.model_dump(mode="json"), inputs, reuse=not force,
-                                         timeout_s=st.spec.timeout_s)
+                                         timeout_s=st.spec.timeout_s, **where)
     return outputs
 
 

@@ -52,6 +52,8 @@ class StagePlan(BaseModel):
     inputs: dict[str, str | list[str]] = Field({}, description="input name -> earlier stage name(s)")
     retries: int = Field(0, ge=0)
     retry_delay_seconds: float = Field(10.0, ge=0)
+    work_pool: str | None = Field(None, description="run this stage as a flow run of the deployment run-stage/<work_pool> on that Prefect work pool (python -m flows.stage_flow deploy POOL), the pipeline waiting for it; None: in the pipeline's own process. Not part of the stage's identity")
+    job_variables: dict[str, Any] = Field({}, description="with work_pool: the flow run's job variables (e.g. {env: {CUDA_VISIBLE_DEVICES: \"0\"}})")
     gates: list[str] = Field([], description="conditions on metrics the run must meet, e.g. 'rl.eval_accuracy >= sft.eval_accuracy + 0.05' or 'eval.rl.accuracy >= 0.2' (flows/gates.py); a failing one fails the flow run, its checkpoints kept")
     timeout_s: float | None = Field(None, gt=0, description="deadline of one attempt of the stage (its subprocess and everything it started); past it the process tree is ended and the attempt fails (then retried if retries are left). None: no deadline")
 

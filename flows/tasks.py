@@ -135,6 +135,43 @@ def run_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str
               timeout_s: float | None = None) -> Any:
     """Run one stage in a subprocess (``inputs``: checkpoint refs, or {label: ref} for a list input); past
     ``timeout_s`` its process tree is ended and the task fails."""
+    return execute_stage(name, run, config, inputs, reuse, timeout_s)
+
+
+@task(cache_policy=StageCachePolicy(), persist_result=True, result_serializer="json", log_prints=True)
+def run_stage_on_pool(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str, Any], reuse: bool = True,
+                      timeout_s: float | None = None, pool: str = "", job_variables: dict[str, Any] | None = None) -> Any:
+    """The stage as a flow run of the deployment ``run-stage/<pool>`` (:mod:`flows.stage_flow`), which a worker of
+    work pool ``pool`` picks up; this task waits for it (a subflow of this task run in the UI). The output is the
+    checkpoint committed under the run's identity, so caching, retries and reruns are this task's, as in-process."""
+    from prefect.deployments import run_deployment
+
+    spec = registry.spec(run.stage)
+    existing = spec.existing(run) if reuse else None
+    if existing is not None:
+        print(f"[{name}] {run.stage}: {run.run_dir} already holds this run's output (same identity); not rerun")
+        return existing
+    child = run_deployment(name=f"{STAGE_FLOW}/{pool}", timeout=None, job_variables=job_variables or {},
+                           parameters={"name": name, "run": run.model_dump(), "config": config,
+                                       "inputs": spec.dump_inputs(inputs), "reuse": reuse, "timeout_s": timeout_s})
+    if not child.state.is_completed():
+        raise StageError(f"stage {name!r} ({run.stage}) failed on work pool {pool!r} (flow run {child.name}, "
+                         f"{child.state.name}): {last_line(child.state.message or '')}")
+    result = spec.existing(run)
+    if result is None:
+        raise StageError(f"stage {name!r} ({run.stage}): flow run {child.name} on work pool {pool!r} completed but "
+                         f"{run.run_dir} holds no output of this identity (does the pool's worker see the same output root?)")
+    print(f"[{name}] {run.stage} ran on work pool {pool!r} (flow run {child.name}) -> {getattr(result, 'path', result)}")
+    return result
+
+
+STAGE_FLOW = "run-stage"  # flows.stage_flow's flow: one deployment of it per work pool, named after the pool
+
+
+def execute_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict[str, Any], reuse: bool = True,
+                  timeout_s: float | None = None) -> Any:
+    """What a stage's task (or its flow run on a work pool) does: the output if its run folder already holds it,
+    else the stage in a subprocess, its progress and curves published meanwhile."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     spec = registry.spec(run.stage)

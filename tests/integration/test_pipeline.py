@@ -522,6 +522,66 @@ def test_a_server_started_with_basic_auth_refuses_clients_without_it(tmp_path):
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_stages_on_their_own_work_pools_and_a_rerun_after_a_failure_reruns_only_that_stage(tmp_path, task_files):
+    """RL on work pool pool-rl, the other stages on pool-rest, a process worker on each: every stage runs as a flow
+    run of run-stage/<its pool> on that pool's worker (read back from the API). RL fails first (a fault injected
+    through its job variables); the flow run again, without the fault, reruns RL on its pool and base and SFT come
+    back Cached."""
+    from flows.local_server import local_server, stop
+    from stages.common.launcher import free_port
+
+    recipe = write_pipeline(tmp_path / "pipeline.yaml", task_files, tmp_path / "runs")
+    data = yaml.safe_load(recipe.read_text())
+    for st in data["stages"]:
+        st["work_pool"] = "pool-rest"
+    data["stages"].append({"name": "rl", "stage": "rl", "recipe": "recipes/rl/tiny.yaml", "inputs": {"policy": "sft"},
+                           "work_pool": "pool-rl", "job_variables": {"env": {"RLHF_FAULT_STEP": "1"}}, "overrides": {
+        "data.paths": [str(task_files["rl_prompts"])], "eval_data": None, "rollout.rollout_batch_size": 8,
+        "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 6, "train.train_batch_size": 16,
+        "train.micro_train_batch_size": 16, "max_steps": 2, "train.progress_bar": False}})
+    recipe.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    env.pop("RLHF_FAULT_STEP", None)
+    with local_server(free_port(), tmp_path / "server.log", env) as api:
+        env["PREFECT_API_URL"] = api
+        workers = []
+        try:
+            for pool in ("pool-rl", "pool-rest"):
+                prefect_cli(env, "work-pool", "create", pool, "--type", "process")
+                out = subprocess.run([sys.executable, "-m", "flows.stage_flow", "deploy", pool], env=env, cwd=ROOT,
+                                     capture_output=True, text=True, timeout=300)
+                assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+                workers.append(subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool], env=env,
+                                                cwd=tmp_path, start_new_session=True, stdout=open(tmp_path / f"{pool}.log", "w"),
+                                                stderr=subprocess.STDOUT))
+
+            def pipeline() -> subprocess.CompletedProcess:
+                return subprocess.run([sys.executable, "-m", "flows.full_rlhf", str(recipe)], env=env, cwd=ROOT,
+                                      capture_output=True, text=True, timeout=900)
+
+            def stage_runs() -> list[tuple[str, str, str]]:
+                runs = api_post(api, "/flow_runs/filter", {"flows": {"name": {"any_": ["run-stage"]}}, "sort": "EXPECTED_START_TIME_ASC"})
+                return [(r["parameters"]["name"], r["work_pool_name"], r["state"]["type"]) for r in runs]
+
+            first = pipeline()
+            assert first.returncode == 1 and "stage 'rl' (rl) failed on work pool 'pool-rl'" in first.stderr, first.stderr[-3000:]
+            assert stage_runs() == [("base", "pool-rest", "COMPLETED"), ("sft", "pool-rest", "COMPLETED"), ("rl", "pool-rl", "FAILED")]
+            assert "injected fault after RL step 1" in (tmp_path / "pool-rl.log").read_text()
+            data["stages"][-1]["job_variables"] = {}  # the fault gone; job variables are not part of any identity
+            recipe.write_text(yaml.safe_dump(data))
+            second = pipeline()
+            assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+            assert stage_runs()[3:] == [("rl", "pool-rl", "COMPLETED")]  # base and SFT: no new flow run (Cached)
+            states = {r["name"]: r["state"]["name"] for r in api_post(api, "/task_runs/filter", {
+                "task_runs": {"name": {"any_": ["base", "sft", "rl"]}}, "sort": "EXPECTED_START_TIME_DESC", "limit": 3})}
+            assert states == {"base": "Cached", "sft": "Cached", "rl": "Completed"}, states
+            verify(json.loads(second.stdout[second.stdout.index("{"):])["rl"]["path"])
+        finally:
+            for w in workers:
+                stop(w)
+
+
 def test_nightly_fails_on_a_drifted_trajectory(results, task_files):
     from flows.nightly import check, nightly_recipe_validation
 
