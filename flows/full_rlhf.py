@@ -128,10 +128,22 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
     Each stage's identity (:meth:`StageSpec.identify`: config, input digests, file digests, code version)
     is computed once here; it is the task's cache key and names the stage's run folder. Every file is
     hashed once per flow run."""
+    import concurrent.futures
+
     logger = get_run_logger()
     outputs: dict[str, CheckpointRef | EvalReport] = {}
+    # a sweep's sweep.max_concurrent > 1: stages are submitted as their inputs finish, at most that many running
+    limit = p.recipe.sweep.max_concurrent if p.recipe.sweep is not None else 1
+    running: dict[str, Any] = {}  # stage name -> its task's future
+
+    def finished(name: str) -> None:
+        if name in running:
+            outputs[name] = running.pop(name).result()  # a failed stage raises here, as a direct call would
+
     with remembered_hashes():
         for st in p.stages:
+            for dep in {x for v in st.spec.inputs.values() for x in (v if isinstance(v, list) else [v])}:
+                finished(dep)
             inputs, run = st.identify(outputs)
             if runs is not None:
                 runs[st.spec.name] = run
@@ -155,9 +167,18 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
                 refresh_cache=skip_cache or None,
             )
             where = {"pool": pool, "job_variables": st.spec.job_variables} if pool else {}
-            outputs[st.spec.name] = task(st.spec.name, run, st.config.model_dump(mode="json"), inputs, reuse=not force,
-                                         timeout_s=st.spec.timeout_s, **where)
-    return outputs
+            args = (st.spec.name, run, st.config.model_dump(mode="json"), inputs)
+            if limit == 1:
+                outputs[st.spec.name] = task(*args, reuse=not force, timeout_s=st.spec.timeout_s, **where)
+                continue
+            while len(running) >= limit:  # wait for one to finish
+                concurrent.futures.wait([f.wrapped_future for f in running.values()], return_when=concurrent.futures.FIRST_COMPLETED)
+                for name in [n for n, f in running.items() if f.wrapped_future.done()]:
+                    finished(name)
+            running[st.spec.name] = task.submit(*args, reuse=not force, timeout_s=st.spec.timeout_s, **where)
+        for name in list(running):
+            finished(name)
+    return {st.spec.name: outputs[st.spec.name] for st in p.stages}
 
 
 def report_key(name: str) -> str:

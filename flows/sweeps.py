@@ -32,6 +32,7 @@ class SweepConfig(BaseModel):
 
     grid: dict[str, list[Any]] = Field({}, description="<stage>.<dotted key> -> the values to try; every combination is a variant")
     variants: list[dict[str, Any]] = Field([], description="each a mapping <stage>.<dotted key> -> value (instead of grid)")
+    max_concurrent: int = Field(1, ge=1, description="how many stages of the pipeline may run at once while it sweeps (each as its inputs finish); 1: one after the other")
 
     @model_validator(mode="after")
     def _one_form(self) -> SweepConfig:

@@ -224,6 +224,16 @@ def test_a_passing_gate_names_the_result_and_a_failing_one_fails_the_run_keeping
     assert verify(summary["sft"]["path"]).digest == summary["sft"]["digest"]
 
 
+def _task_spans(state, names: list[str]) -> dict[str, tuple]:
+    """Task run name -> (start, end) for the flow run behind ``state``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    return {r.name: (r.start_time, r.end_time) for r in runs if r.name in names}
+
+
 def _summary_markdown(state) -> str:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
@@ -250,10 +260,14 @@ def test_a_sweep_of_three_rl_variants_trains_sft_once_and_publishes_one_comparis
         "rollout.rollout_batch_size": 8, "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 6,
         "train.train_batch_size": 16, "train.micro_train_batch_size": 16, "max_steps": 2, "train.progress_bar": False}})
     estimators = ["group_norm", "rloo", "reinforce_baseline"]
-    data["sweep"] = {"grid": {"rl.algo.advantage_estimator": estimators}}
+    data["sweep"] = {"grid": {"rl.algo.advantage_estimator": estimators}, "max_concurrent": 2}
     recipe.write_text(yaml.safe_dump(data))
     state, tasks = run_flow(pipeline=str(recipe))
     assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1), **{f"rl-v{i}": ("Completed", 1) for i in range(3)}}
+    # max_concurrent 2: two variants trained at once, never three
+    spans = _task_spans(state, [f"rl-v{i}" for i in range(3)])
+    overlapping = [(a, b) for a in spans for b in spans if a < b and spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]]
+    assert overlapping and len(overlapping) < 3, spans
     summary = state.result()
     rows = summary["sweep"]
     assert [r["overrides"] for r in rows] == [f"rl.algo.advantage_estimator={e}" for e in estimators]

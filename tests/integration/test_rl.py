@@ -22,13 +22,33 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def ray_processes() -> list[str]:
-    """Ray's processes on this machine, less those of test_cluster.py's multi-node cluster (another worker's)."""
+    """Ray's processes on this machine, less those of test_cluster.py's multi-node cluster and those started under
+    another pytest-xdist worker (test_pipeline.py's RL stages run beside this file); orphans count."""
     names = []
+    others = _other_workers()
     for p in psutil.process_iter(["name", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if any(s in cmd for s in ("raylet", "gcs_server", "ray::", "rlray-")) and not _of_local_cluster(p):
+        if any(s in cmd for s in ("raylet", "gcs_server", "ray::", "rlray-")) and not _of_local_cluster(p) \
+                and not _under(p, others):
             names.append(cmd[:120])
     return names
+
+
+def _other_workers() -> set[int]:
+    """The other pytest-xdist workers of this run (this worker's siblings), none when not under xdist."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return set()
+    try:
+        return {c.pid for c in psutil.Process().parent().children()} - {os.getpid()}
+    except psutil.Error:
+        return set()
+
+
+def _under(p: psutil.Process, pids: set[int]) -> bool:
+    try:
+        return any(q.pid in pids for q in p.parents())
+    except psutil.Error:
+        return False
 
 
 def _of_local_cluster(p: psutil.Process) -> bool:
