@@ -13,7 +13,6 @@ last stage with gates; an eval gate's: the model it names) is named only when ev
 
 from __future__ import annotations
 
-import json
 import operator
 import re
 from collections.abc import Mapping
@@ -82,15 +81,14 @@ def stage_metrics(out: Any, run_dir) -> dict[str, float]:
     from pathlib import Path
 
     from checkpoints import CheckpointRef, read_manifest
+    from flows.curves import load_rows
 
     if not isinstance(out, CheckpointRef):  # an EvalReport
         return {f"{model}.{k}": float(v) for model, ms in out.metrics.items() for k, v in ms.items() if _number(v)}
     found: dict[str, float] = {}
-    log = Path(run_dir) / "metrics.jsonl"
-    if log.is_file():
-        rows = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
-        if rows:
-            found.update({k: float(v) for k, v in rows[-1].items() if _number(v) and k != "step"})
+    rows = load_rows(Path(run_dir) / "metrics.jsonl")
+    if rows:
+        found.update({k: float(v) for k, v in rows[-1].items() if _number(v) and k != "step"})
     for k, v in read_manifest(out.path).extra.items():
         if _number(v):
             found.setdefault(k, float(v))

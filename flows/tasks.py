@@ -147,9 +147,8 @@ def run_stage_on_pool(name: str, run: StageRun, config: dict[str, Any], inputs: 
     from prefect.deployments import run_deployment
 
     spec = registry.spec(run.stage)
-    existing = spec.existing(run) if reuse else None
+    existing = _existing(name, run, spec) if reuse else None
     if existing is not None:
-        print(f"[{name}] {run.stage}: {run.run_dir} already holds this run's output (same identity); not rerun")
         return existing
     child = run_deployment(name=f"{STAGE_FLOW}/{pool}", timeout=None, job_variables=job_variables or {},
                            parameters={"name": name, "run": run.model_dump(), "config": config,
@@ -176,9 +175,8 @@ def execute_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict
 
     spec = registry.spec(run.stage)
     curves = Curves(name, run.stage, run.run_dir / "metrics.jsonl")
-    existing = spec.existing(run) if reuse else None
+    existing = _existing(name, run, spec) if reuse else None
     if existing is not None:
-        print(f"[{name}] {run.stage}: {run.run_dir} already holds this run's output (same identity); not rerun")
         _update_curves(curves, final=True)
         return existing
     folder = run.prepare() / "task"
@@ -220,6 +218,14 @@ def execute_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict
     print(f"[{name}] {run.stage} -> {result.markdown if isinstance(result, EvalReport) else result.path}")
     warn_if_unchanged(name, result, inputs, sys.stdout)  # in the task's log (its prints), where the flow's user looks
     return result
+
+
+def _existing(name: str, run: StageRun, spec) -> Any:
+    """The output the run folder already holds under this identity (a CLI run, an earlier attempt), said so; or None."""
+    existing = spec.existing(run)
+    if existing is not None:
+        print(f"[{name}] {run.stage}: {run.run_dir} already holds this run's output (same identity); not rerun")
+    return existing
 
 
 def _update_curves(curves: Curves, final: bool = False) -> None:

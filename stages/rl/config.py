@@ -18,6 +18,7 @@ from stages.common.config import (
     TrainConfig,
     section_unused,
 )
+from stages.common.identity import get_dotted
 from stages.common.recipe import RecipeError
 from stages.rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -27,12 +28,6 @@ from stages.rl.algorithms import (
     POLICY_LOSSES,
     lookup,
 )
-
-
-def getattr_dotted(obj, dotted: str):
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def endpoint_name(url: str) -> str:
@@ -300,7 +295,7 @@ class RLConfig(StageConfig):
         }
         for field, (asked, reason) in why.items():
             if asked:
-                raise RecipeError(f"{field}: {getattr_dotted(self, field)!r} is a GPU setting and this run's actors are on CPUs "
+                raise RecipeError(f"{field}: {get_dotted(self, field)!r} is a GPU setting and this run's actors are on CPUs "
                                  f"(cluster.gpu={self.cluster.gpu}): {reason}. Remove it, or run on GPUs")
 
     def sync_backend(self, gpu: bool) -> str:
