@@ -370,8 +370,9 @@ def test_a_hung_learner_fails_the_step_at_its_deadline_naming_it(task_files, mic
 
     monkeypatch.setenv("RLHF_FAULT_HANG", "learner.train:0")
     cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "train.world_size=1", "train.zero_stage=2",
-                  "ray.call_timeout_s=15")  # the start-up has its own deadline (ray.startup_timeout_s)
-    with pytest.raises(CallTimeout, match=r"learner rank\(s\) \[0\] of 1 gave no answer to train within 15 s \(ray.call_timeout_s\)"):
+                  "ray.call_timeout_s=60")  # the start-up has its own deadline (ray.startup_timeout_s); a rollout
+    # before the hang runs under this one too, and on a loaded 2-core CI machine it took over 15 s
+    with pytest.raises(CallTimeout, match=r"learner rank\(s\) \[0\] of 1 gave no answer to train within 60 s \(ray.call_timeout_s\)"):
         run_rl(cfg, micro_sft)
     assert ray_processes() == []
     assert not list(tmp_path.glob("rl-*/checkpoint"))
