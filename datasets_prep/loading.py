@@ -190,30 +190,15 @@ def is_hub_id(path: str) -> bool:
 
 
 def hub_revision(repo_id: str, revision: str | None = None) -> str:
-    """The commit sha a hub dataset id resolves to at ``revision`` (a branch, tag or commit; None: the default
-    branch): a 40-hex commit as given; else from the hub, or offline (``HF_HUB_OFFLINE``) from the local Hugging
-    Face cache's ``refs``. Neither: a :class:`DataError` naming the id."""
-    import re
+    """The commit sha a hub dataset id resolves to at ``revision`` (:func:`checkpoints.hub.hub_commit`, the one
+    resolution for models and datasets); unresolvable: a :class:`DataError` naming the id."""
+    from checkpoints.hub import hub_commit
+    from checkpoints.store import CheckpointError
 
-    from huggingface_hub import constants
-
-    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
-        return revision
-    ref = Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE) / f"datasets--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or constants.HF_HUB_OFFLINE
-    reason = "offline (HF_HUB_OFFLINE=1)"
-    if not offline:
-        try:
-            from huggingface_hub import HfApi
-
-            return HfApi().dataset_info(repo_id, revision=revision).sha
-        except Exception as e:  # noqa: BLE001  (unreachable, unknown, gated: the cache may still know it)
-            reason = f"the hub did not answer ({type(e).__name__})"
-    if ref.is_file():
-        return ref.read_text().strip()
-    raise DataError(f"{repo_id}: a hub dataset id whose revision {revision or 'main'!r} can't be resolved to a commit: "
-                    f"{reason} and not in the local Hugging Face cache (looked for {ref}); run once online, or pin the "
-                    "data section's revision to a commit sha")
+    try:
+        return hub_commit(repo_id, revision, "dataset")
+    except CheckpointError as e:
+        raise DataError(str(e)) from None
 
 
 def load_source(path: str, split: str = "train", subset: str | None = None, revision: str | None = None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import CheckpointError, commit, import_pretrained, load_ref, require_kind, staging, verify
+from checkpoints import CheckpointError, commit, import_pretrained, load_ref, read_manifest, require_kind, staging, verify
 from checkpoints.store import MANIFEST, content_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,8 +233,56 @@ def test_import_local_hf_folder_and_refuse_non_models(tmp_path, micro_model):
     (pickled / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="found only pickle weights: pytorch_model.bin"):
         import_pretrained(pickled, tmp_path / "store")
-    with pytest.raises(CheckpointError, match="no-such-org/no-such-model: neither a local folder nor a reachable hub model"):
+    with pytest.raises(CheckpointError, match=r"^no-such-org/no-such-model: a hub model id whose revision 'main' can't be resolved"):
         import_pretrained("no-such-org/no-such-model", tmp_path / "store")
+    with pytest.raises(CheckpointError, match=r"^\./no/such/folder: no such model folder \(looked for /"):
+        import_pretrained("./no/such/folder", tmp_path / "store")
+
+
+def test_a_hub_model_id_is_fetched_at_the_commit_it_resolves_to(tmp_path, monkeypatch, micro_model):
+    """A hub-style local cache, offline (refs/<branch|tag> -> commit, snapshots/<commit>/ the files): ``org/name``
+    is main's commit, ``org/name@v1`` a tag's, ``org/name@<sha>`` that commit; each import records the commit, and
+    two revisions with different weights are two run identities of the stage that starts from them."""
+    from stages import registry
+    from stages.sft import SFTConfig
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    first, second = "1" * 40, "2" * 40
+    for sha in (first, second):
+        snap = repo / "snapshots" / sha
+        snap.mkdir(parents=True)
+        for p in Path(micro_model.path).iterdir():
+            if p.name != MANIFEST:
+                (snap / p.name).write_bytes(p.read_bytes())
+    cfg = json.loads((repo / "snapshots" / second / "config.json").read_text())
+    (repo / "snapshots" / second / "config.json").write_text(json.dumps({**cfg, "revised": 2}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(first)
+    (repo / "refs" / "v1").write_text(second)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    store = tmp_path / "store"
+
+    main = import_pretrained("org/tiny", store)
+    assert read_manifest(main.path).extra == {"origin": f"hub:org/tiny@{first}"}
+    assert main.digest == micro_model.digest and Path(main.path).name.startswith("import-tiny-")
+    tagged = import_pretrained("org/tiny@v1", store)
+    assert read_manifest(tagged.path).extra == {"origin": f"hub:org/tiny@{second}"} and tagged.digest != main.digest
+    assert import_pretrained(f"org/tiny@{first}", store) == main  # pinned to main's commit: the same import
+
+    spec = registry.spec("sft")
+
+    def identity(base: str) -> str:
+        config = SFTConfig.model_validate({"base": base, "data": {"paths": ["d.jsonl"]}, "output_root": str(store)})
+        return spec.identify(config, spec.resolve_inputs(config, {})).key
+
+    assert identity("org/tiny") == identity(f"org/tiny@{first}") != identity("org/tiny@v1")
+    (repo / "refs" / "main").write_text(second)  # main moves upstream: a new identity, never the stale cache hit
+    assert identity("org/tiny") == identity("org/tiny@v1")
+    with pytest.raises(CheckpointError, match=r"^org/tiny: a hub model id whose revision 'v9' can't be resolved to a commit: "
+                                              r"offline \(HF_HUB_OFFLINE=1\) and not in the local Hugging Face cache .*"
+                                              r"pin it as org/tiny@<commit sha>"):
+        import_pretrained("org/tiny@v9", store)
 
 
 def test_require_kind_names_the_mismatch(tmp_path):
