@@ -37,6 +37,12 @@ def main() -> None:
         sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)  # skip atexit/destructors that can hang on a broken process group
+    # Success: leave the same way. The interpreter's teardown of torch.distributed / DeepSpeed's CPU comm threads can
+    # abort ("terminate called without an active exception", signal 6) on one rank while rank 0 is still finishing,
+    # which would fail a stage whose work is done. Everything the rank writes is closed by now; flush and go.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
