@@ -46,7 +46,6 @@ def train_and_commit(
     """Launch ``stages.<stage>:train_rank`` on ``config.train.world_size`` ranks and commit its output
     into the run's folder (named by its identity; in-stage state and metrics live there too)."""
     with run.claimed() as run_dir, staging(run_dir / "checkpoint") as tmp:
-        dest = run_dir / "checkpoint"
         items_path = run_dir / "items.json"
         items_path.write_text(json.dumps([dataclasses.asdict(it) for it in items]))
         full_job = {
@@ -59,19 +58,27 @@ def train_and_commit(
         inputs = [parent.path, *([base.path] if base else []), *(v for k, v in job.items() if k.endswith("_path") and v)]
         result = launch(f"stages.{run.stage}:train_rank", full_job, config.train.world_size, run_dir, timeout_s=config.train.timeout_s,
                         cluster=getattr(config, "cluster", None), inputs=inputs)
-        meta = dict(stage=run.stage, kind=kind, config_hash=run.key, parent=parent, base=base)
-        if config.train.save_best is None:
-            return commit(tmp, dest, **meta, extra={**extra, **result})
-        best = _best(run_dir, config.train.save_best, result)
-        last = commit(tmp, run_dir / "checkpoint-last", **meta, extra={**extra, **result, "last_step": True})
-        return commit(run_dir / "best", dest, **meta, extra={**extra, **result, "best": best, "last": last.digest})
+        return commit_output(run_dir, tmp, config.train.save_best, dict(stage=run.stage, kind=kind, config_hash=run.key,
+                                                                         parent=parent, base=base), {**extra, **result})
+
+
+def commit_output(run_dir: Path, tmp: Path, save_best: SaveBestConfig | None, meta: dict[str, Any],
+                  extra: dict[str, Any]) -> CheckpointRef:
+    """Commit a training stage's output as ``run_dir/checkpoint``: the last step's weights (``tmp``), or with
+    ``train.save_best`` the best step's (``run_dir/best``, the manifest's ``best`` saying which step and value) with
+    the last step's committed beside it as ``checkpoint-last`` (the manifest's ``last`` is its digest)."""
+    if save_best is None:
+        return commit(tmp, run_dir / "checkpoint", **meta, extra=extra)
+    best = _best(run_dir, save_best, extra)
+    last = commit(tmp, run_dir / "checkpoint-last", **meta, extra={**extra, "last_step": True})
+    return commit(run_dir / "best", run_dir / "checkpoint", **meta, extra={**extra, "best": best, "last": last.digest})
 
 
 def _best(run_dir: Path, cfg: SaveBestConfig, result: dict) -> dict:
     """What ``train.save_best`` kept (the step, the metric's value), or an error naming the metric and what was logged."""
     record = run_dir / "best.json"
     if not record.is_file() or not (run_dir / "best").is_dir():
-        logged = sorted(k for k in (result.get("final") or {}) if k != "step")
+        logged = sorted(k for k in (result.get("final") or result.get("last_step") or {}) if k != "step")
         raise RuntimeError(f"train.save_best.metric: {cfg.metric!r} was never logged with a value, so no step was kept "
                            f"(the last step logged: {', '.join(logged)}; held-out metrics need eval_data)")
     return json.loads(record.read_text())

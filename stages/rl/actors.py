@@ -103,8 +103,11 @@ class Trainers:
         return steps + self.call([c.load_state.remote(folder, "critic") for c in self.critics], "critic.load_state")
 
     def export(self, out_dir: str, tokenizer_path: str) -> None:
-        """The policy as an HF folder (with LoRA: the adapter) in ``out_dir``."""
+        """The policy as an HF folder (with LoRA: the adapter) in ``out_dir`` (``train.enable_sleep``: the learners'
+        states back for the gather, then to host memory again)."""
+        self.reload()
         self.call([lr.export.remote(out_dir, tokenizer_path) for lr in self.learners], "learner.export")
+        self.offload()
 
 
 def _tokens(exp: Experience) -> float:

@@ -219,8 +219,7 @@ class RLConfig(StageConfig):
               "train.max_steps": "RL steps are max_steps (top level)",
               "train.num_epochs": "each step's samples are trained on algo.ppo_epochs times",
               "train.logging_steps": "RL logs every step",
-              "train.timeout_s": "RL's deadlines are ray.call_timeout_s (each call) and ray.startup_timeout_s",
-              "train.save_best": "not yet for RL: its output is the last step (the held-out eval runs in the driver, not the learners' loop)"}
+              "train.timeout_s": "RL's deadlines are ray.call_timeout_s (each call) and ray.startup_timeout_s"}
 
     base: str = Field("tiny:tiny", description="the starting policy, from the CLI; flows pass the SFT checkpoint")
     data: DataConfig = Field(description="the training prompts (with labels for a reward function or agent)")

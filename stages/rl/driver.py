@@ -21,12 +21,13 @@ Run: ``python -m stages.rl recipes/rl/tiny.yaml base=runs/sft-<key>/checkpoint``
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from checkpoints import CheckpointRef, commit, require_kind, staging, verify
+from checkpoints import CheckpointRef, require_kind, staging, verify
 from checkpoints.state import commit_state, read_json_state, resumable_state, tag_of
 from datasets_prep.loading import DataError, check_prompt_label_row, load_rows
 from stages.common.cluster import CallTimeout, Deadlines, ray_cluster  # noqa: F401  (CallTimeout: the stage's own error)
@@ -41,7 +42,8 @@ from stages.common.stage import (
     print_result,
     trained_output,
 )
-from stages.common.trainer import MetricsWriter, maybe_inject_fault
+from stages.common.stage_run import commit_output
+from stages.common.trainer import Best, MetricsWriter, maybe_inject_fault
 from stages.rl.actors import Trainers, start_actors
 from stages.rl.algorithms import ADVANTAGE_ESTIMATORS
 from stages.rl.config import RLConfig
@@ -85,12 +87,13 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
         sync = WeightSync(config, trainers.learners, engines, deadlines, trainers.gpu)
         sync.connect()
         trainers.offload()  # train.enable_sleep: the engines generate first
-        loop = RLLoop(config, plan, trainers, sampler, sync, run_dir, eval_rows, grader)
+        export = functools.partial(trainers.export, tokenizer_path=policy.path)  # with LoRA: the adapter, on its policy
+        loop = RLLoop(config, plan, trainers, sampler, sync, run_dir, eval_rows, grader, export)
         summary = loop.run()
-        trainers.export(str(tmp), policy.path)  # with LoRA: the adapter, on the policy it started from
+        export(str(tmp))
         lora = config.lora.enabled
-        return commit(tmp, run_dir / "checkpoint", stage=STAGE, kind="adapter" if lora else "full", config_hash=run.key,
-                      parent=policy, base=policy if lora else None, extra=summary)
+        return commit_output(run_dir, tmp, config.train.save_best, dict(
+            stage=STAGE, kind="adapter" if lora else "full", config_hash=run.key, parent=policy, base=policy if lora else None), summary)
 
 
 def _check_inputs(config: RLConfig, plan: StepPlan, policy: CheckpointRef, reward_model: CheckpointRef | None,
@@ -133,9 +136,11 @@ class RLLoop:
     """The RL stage's loop: a step per :meth:`step`, held-out evals, state saved and resumed, metrics written."""
 
     def __init__(self, cfg: RLConfig, plan: StepPlan, trainers: Trainers, sampler: Sampler, sync: WeightSync,
-                 run_dir: Path, eval_rows: list[dict], grader=None):
+                 run_dir: Path, eval_rows: list[dict], grader=None, export=None):
+        """``export(folder)``: the policy written as the stage's output would be (``train.save_best``'s candidates)."""
         self.cfg, self.plan, self.trainers, self.sampler, self.sync = cfg, plan, trainers, sampler, sync
-        self.run_dir, self.eval_rows, self.grader = run_dir, eval_rows, grader
+        self.run_dir, self.eval_rows, self.grader, self.export = run_dir, eval_rows, grader, export
+        self.best: Best | None = None
         self.kl = KLController(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
         self.silent: list[int] = []  # the steps in a row, up to now, with no learning signal
         self.warning: str | None = None  # the last step's, for the progress artifact
@@ -146,6 +151,8 @@ class RLLoop:
 
         cfg = self.cfg
         start = self.resume() if cfg.train.resume else 0
+        if cfg.train.save_best is not None:  # a best of an earlier attempt carries over a resume only
+            self.best = Best(cfg.train.save_best, self.run_dir, 0, fresh=start == 0)
         writer = MetricsWriter(self.run_dir, start, enabled=True, prefix="rl", config=cfg.model_dump(mode="json"))
         initial, final, last = self.evaluate(), None, {}
         if start == 0 and initial:
@@ -183,6 +190,8 @@ class RLLoop:
         """Log the step's metrics, save the state on its cadence (not after the last step), then the test hook."""
         writer.write(done, metrics)
         report_progress(done, self.cfg.max_steps, metrics, warning=self.warning)
+        if self.best is not None:  # train.save_best: an improved step's policy to run_dir/best
+            self.best.offer(done, metrics, lambda folder: self.export(str(folder)))
         save_steps = self.cfg.train.save_steps
         if save_steps and done % save_steps == 0 and done < self.cfg.max_steps:
             self.save_state(done)

@@ -466,6 +466,32 @@ def test_lora_rl_pushes_merged_weights_and_outputs_an_adapter_that_merges(task_f
     assert ray_processes() == []
 
 
+def test_save_best_outputs_the_best_rl_step_and_keeps_the_last_beside_it(task_files, micro_sft, tmp_path):
+    """train.save_best in RL: each improved step's policy is exported (collectively, by two ZeRO-3 learners); the stage's output is the best step by the logged metric (checked
+    against metrics.jsonl), the last step's committed beside it. kl/min: the policy equals the reference at step 1
+    (kl 0) and moves after, so the best step is 1 and its weights differ from the last step's."""
+    from safetensors.torch import load_file
+
+    cfg = _config(task_files, tmp_path, _first_digit_one(tmp_path), "algo.init_kl_coef=0.05", "algo.kl_estimator=k3",
+                  "train.lr=1e-2", 'train.save_best={"metric": "kl", "mode": "min"}')
+    ref = run_rl(cfg, micro_sft)
+    run_dir = Path(ref.path).parent
+    rows = metrics(ref)
+    values = [r["kl"] for r in rows]
+    step = rows[values.index(min(values))]["step"]
+    assert step == 1 and len(rows) == 3, values
+    m = read_manifest(ref.path)
+    assert m.extra["best"] == {"metric": "kl", "mode": "min", "step": 1, "value": pytest.approx(values[0])}
+    last = run_dir / "checkpoint-last"
+    assert m.extra["last"] == verify(last).digest and read_manifest(last).extra["last_step"] is True
+    verify(ref)
+    best_w, last_w = load_file(str(Path(ref.path) / "model.safetensors")), load_file(str(last / "model.safetensors"))
+    assert best_w.keys() == last_w.keys() and not all(torch.equal(best_w[k], last_w[k]) for k in best_w)
+    start = load_file(str(Path(micro_sft.path) / "model.safetensors"))
+    assert not all(torch.equal(best_w[k], start[k]) for k in best_w)  # step 1's update, not the starting policy
+    assert not (run_dir / "best").exists() and ray_processes() == []
+
+
 TIMINGS = ("_s", "_per_s")
 
 

@@ -10,7 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import CheckpointError, commit, import_pretrained, load_ref, read_manifest, require_kind, staging, verify
+from checkpoints import (
+    CheckpointError,
+    commit,
+    import_pretrained,
+    load_ref,
+    read_manifest,
+    require_kind,
+    staging,
+    verify,
+)
 from checkpoints.store import MANIFEST, content_digest
 
 ROOT = Path(__file__).resolve().parents[2]
