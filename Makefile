@@ -13,6 +13,8 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE ?= 1
 # Prefect's database and cached task results live in the project (make run: ephemeral server, SQLite)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
+# (Prefect 3.7 would put the results in ~/.prefect/storage whatever PREFECT_HOME says: flows/__init__.py)
+export PREFECT_LOCAL_STORAGE_PATH ?= $(PREFECT_HOME)/storage
 PORT ?= 4200
 # two pytest-xdist workers, a test file per worker at a time (test_rl.py's tests look for Ray processes
 # machine-wide, so its tests share one worker); TEST_WORKERS=0 runs serially. A fresh clone on 2 cores:

@@ -206,7 +206,9 @@ def test_the_pipeline_with_eval_on_the_cluster_then_all_cached(cluster, task_fil
     recipe = tmp_path / "pipeline.yaml"
     recipe.write_text(yaml.safe_dump({"name": "on-cluster", "output_root": str(tmp_path / "runs"), "stages": stages}))
     # Prefect's telemetry off by the project itself (flows/__init__.py), not by the caller's environment
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"} | {"PREFECT_HOME": str(tmp_path / "prefect")}
+    # (and its cached results under PREFECT_HOME by the project too: `make test` exports the project's storage path)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_LOCAL_STORAGE_PATH")} | {"PREFECT_HOME": str(tmp_path / "prefect")}
 
     def run() -> str:
         out = subprocess.run([sys.executable, "-m", "flows.full_rlhf", str(recipe), "--cluster", cluster.address],
@@ -232,6 +234,9 @@ def test_the_pipeline_with_eval_on_the_cluster_then_all_cached(cluster, task_fil
     second = run()
     for name in ("base", "sft", "dpo", "rl", "eval"):
         assert f"Task run '{name}' - Finished in state Cached" in second, second[-3000:]
+    # the cache they came from is this PREFECT_HOME's (flows/__init__.py), not ~/.prefect/storage shared by every project
+    records = {p.name for p in (tmp_path / "prefect" / "storage").iterdir()}
+    assert {d.name for d in (tmp_path / "runs").glob("*-*") if d.is_dir()} <= records, records
 
 
 def test_a_node_lost_mid_sft_fails_the_stage_naming_it_and_the_rerun_resumes(cluster, task_files, micro_model, local_sft, tmp_path):

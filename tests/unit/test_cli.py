@@ -180,3 +180,29 @@ def test_flows_turn_prefect_telemetry_off():
     out = subprocess.run([sys.executable, "-c", "import flows, os; print(os.environ['PREFECT_SERVER_ANALYTICS_ENABLED'])"],
                          capture_output=True, text=True, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"})
     assert out.stdout.strip() == "false"  # a whole flow run's log without an ERROR line: test_cluster's pipeline test
+
+
+def test_cached_results_live_under_prefect_home(tmp_path):
+    """Prefect 3.7 resolves its result storage to ~/.prefect/storage whatever PREFECT_HOME says (PrefectHQ/prefect#23046):
+    two clones then shared one cache, and a fresh clone's `make run` was handed another clone's checkpoints. The
+    flows package and the Makefile put the results under PREFECT_HOME; a storage path the user sets wins."""
+    code = "import flows\nfrom prefect.settings import get_current_settings as g\nprint(g().results.local_storage_path)"
+    base = {k: v for k, v in os.environ.items() if k not in ("PREFECT_LOCAL_STORAGE_PATH", "PREFECT_RESULTS_LOCAL_STORAGE_PATH")}
+    home = tmp_path / "home"
+
+    def storage(**env: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                             env=base | {"PREFECT_HOME": str(home)} | env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    assert storage() == str(home / "storage")
+    assert storage(PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "mine")) == str(tmp_path / "mine")
+    assert storage(PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(tmp_path / "ours")) == str(tmp_path / "ours")
+    # every make target sees the same: the project's .prefect/storage by default
+    show = ["make", "-s", "--no-print-directory", "--eval", "show-storage: ; @echo $$PREFECT_LOCAL_STORAGE_PATH", "show-storage"]
+    for env, want in (({}, ROOT / ".prefect" / "storage"), ({"PREFECT_HOME": str(home)}, home / "storage"),
+                      ({"PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "mine")}, tmp_path / "mine")):
+        out = subprocess.run(show, capture_output=True, text=True, cwd=ROOT,
+                             env={k: v for k, v in base.items() if k != "PREFECT_HOME"} | env)
+        assert out.stdout.strip() == str(want), out.stderr
