@@ -148,8 +148,12 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
             if runs is not None:
                 runs[st.spec.name] = run
             force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
-            skip_cache, cached = force, "none" if force else cached_result(run.key)
-            if cached == "stale":
+            skip_cache, cached = force, "none" if force else cached_result(run.key, run.run_dir)
+            if cached == "elsewhere":  # not an error: this root's output of the identity is picked up, or made, here
+                logger.info(f"{st.spec.name}: the cached output of this identity is under another output root; this "
+                            f"run's is {run.run_dir}")
+                skip_cache = True
+            elif cached == "stale":
                 logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")
                 force = skip_cache = True
             elif cached == "unsafe":  # not read; the committed checkpoint of the same identity still counts

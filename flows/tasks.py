@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -68,12 +69,14 @@ def result_usable(result: Any) -> bool:
     return False
 
 
-def cached_result(key: str) -> str:
+def cached_result(key: str, run_dir: Path | None = None) -> str:
     """What the result store holds under ``key``: ``none``, ``usable``, ``stale`` (a checkpoint deleted or altered,
-    a report's files gone, an unreadable record) or ``unsafe``: a record in another format than JSON (Prefect's
-    pickle, e.g. a file dropped into the result storage). An unsafe record is never deserialized (loading a pickle
-    runs whatever code it names; Prefect's own ``exists`` loads the whole record, so it is not asked): it is moved
-    aside (``<key>.refused``) before the task could see it."""
+    a report's files gone, an unreadable record), ``elsewhere`` (a usable output, but not in ``run_dir``: the same
+    identity run under another output root, which identities leave out; the run is this root's, so its output is
+    looked for, or made, here) or ``unsafe``: a record in another format than JSON (Prefect's pickle, e.g. a file
+    dropped into the result storage). An unsafe record is never deserialized (loading a pickle runs whatever code it
+    names; Prefect's own ``exists`` loads the whole record, so it is not asked): it is moved aside
+    (``<key>.refused``) before the task could see it."""
     from prefect.results import get_result_store
 
     store = get_result_store().update_for_task(run_stage)  # the store the task itself reads its cache from
@@ -84,9 +87,21 @@ def cached_result(key: str) -> str:
         _set_aside(store, key)
         return "unsafe"
     try:
-        return "usable" if result_usable(store.read(key).result) else "stale"
+        result = store.read(key).result
     except Exception:  # an unreadable record counts as no cache
         return "stale"
+    if not result_usable(result):
+        return "stale"
+    return "usable" if run_dir is None or output_folder(result) == run_dir.resolve() else "elsewhere"
+
+
+def output_folder(result: Any) -> Path | None:
+    """The run folder a stage's result lives in (a checkpoint's parent: ``checkpoint/`` or a step's; a report's folder)."""
+    if isinstance(result, CheckpointRef):
+        return Path(result.path).resolve().parent
+    if isinstance(result, EvalReport):
+        return Path(result.folder).resolve()
+    return None
 
 
 def _storage(store):

@@ -198,6 +198,34 @@ def test_results_are_json_and_a_pickle_placed_in_the_result_storage_is_never_unp
     assert (storage / f"{key}.refused").is_file()  # the pickle, kept aside for whoever looks into it, never loaded
 
 
+def test_a_second_output_root_gets_outputs_of_its_own_and_the_first_root_keeps_its_own(results, task_files):
+    """Identities leave the output root out (the same computation), but a run's outputs are its root's: the same
+    pipeline under a second root, with one result storage, trains there instead of being handed the first root's
+    checkpoints (as when a pipeline moves to shared storage for a cluster: the other nodes could not read them);
+    back under the first root, its committed checkpoints are picked up by identity, not trained again; then Cached."""
+    from checkpoints import read_manifest
+
+    a = write_pipeline(results / "a.yaml", task_files, results / "runs-a")
+    b = write_pipeline(results / "b.yaml", task_files, results / "runs-b")
+    state, tasks = run_flow(pipeline=str(a))
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
+    first = state.result()
+    state, tasks = run_flow(pipeline=str(b))
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
+    moved = state.result()
+    for name in ("base", "sft"):
+        assert Path(moved[name]["path"]).resolve().is_relative_to((results / "runs-b").resolve()), moved[name]
+        assert Path(moved[name]["path"]).parent.name == Path(first[name]["path"]).parent.name  # one identity
+        assert moved[name]["digest"] == first[name]["digest"]  # the same computation, the same weights (fp32)
+    created = {name: read_manifest(ref["path"]).created for name, ref in first.items()}
+    state, tasks = run_flow(pipeline=str(a))
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1)}
+    assert state.result() == first
+    assert {name: read_manifest(ref["path"]).created for name, ref in first.items()} == created  # found, not retrained
+    _, tasks = run_flow(pipeline=str(a))
+    assert tasks == {"base": ("Cached", 1), "sft": ("Cached", 1)}
+
+
 def test_a_passing_gate_names_the_result_and_a_failing_one_fails_the_run_keeping_the_checkpoints(results, task_files):
     """Gates on SFT's metrics: one that holds gives the run its result (the SFT checkpoint) in the summary; one that
     doesn't (the stages come back Cached: gates are not part of any identity) fails the flow run naming the gate,
