@@ -69,7 +69,7 @@ def result_usable(result: Any) -> bool:
     return False
 
 
-def cached_result(key: str, run_dir: Path | None = None) -> str:
+def cached_result(key: str, run_dir: Path) -> str:
     """What the result store holds under ``key``: ``none``, ``usable``, ``stale`` (a checkpoint deleted or altered,
     a report's files gone, an unreadable record), ``elsewhere`` (a usable output, but not in ``run_dir``: the same
     identity run under another output root, which identities leave out; the run is this root's, so its output is
@@ -92,11 +92,11 @@ def cached_result(key: str, run_dir: Path | None = None) -> str:
         return "stale"
     if not result_usable(result):
         return "stale"
-    return "usable" if run_dir is None or output_folder(result) == run_dir.resolve() else "elsewhere"
+    return "usable" if output_folder(result) == run_dir.resolve() else "elsewhere"
 
 
 def output_folder(result: Any) -> Path | None:
-    """The run folder a stage's result lives in (a checkpoint's parent: ``checkpoint/`` or a step's; a report's folder)."""
+    """The run folder a stage's result lives in (a checkpoint's: ``<run folder>/checkpoint``; a report's folder)."""
     if isinstance(result, CheckpointRef):
         return Path(result.path).resolve().parent
     if isinstance(result, EvalReport):
