@@ -11,7 +11,9 @@ A grader is ``grader(response: str, label) -> bool | float`` (a float in [0, 1] 
   GSM8K solution (its ``#### N``), a number or LaTeX. Equal values match (``1/2`` and ``0.5``).
 
 ``math_reward_func`` is the same check as an OpenRLHF ``reward_func``
-(``reward.func: stages.common.graders:math_reward_func``).
+(``reward.func: stages.common.graders:math_reward_func``). ``extract_boxed_answer`` and ``grade_answer`` take the
+arguments of OpenRLHF's ``openrlhf.utils`` functions of those names, so a reward file written against them runs here
+with its import line changed to ``from stages.common.graders import extract_boxed_answer, grade_answer``.
 """
 
 from __future__ import annotations
@@ -77,3 +79,25 @@ def math_correct(response: str, label: Any) -> bool:
 def math_reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, list[float]]:
     rewards = [float(math_correct(q[len(p):] if q.startswith(p) else q, lab)) for q, p, lab in zip(queries, prompts, labels)]
     return {"rewards": rewards, "scores": rewards}
+
+
+def extract_boxed_answer(text: str) -> str | None:
+    """What the last ``\\boxed{...}`` of ``text`` holds (braces inside it balanced), or None when there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def grade_answer(given_answer: str | None, ground_truth: Any) -> bool:
+    """Whether an answer already extracted (e.g. by :func:`extract_boxed_answer`) equals ``ground_truth``
+    (:func:`math_correct`: equal values match); None matches nothing."""
+    if given_answer is None or ground_truth is None:
+        return False
+    given = str(given_answer)
+    return math_correct(given, ground_truth) or math_correct(f"${given}$", ground_truth)  # as text, else as LaTeX

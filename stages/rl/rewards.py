@@ -4,8 +4,9 @@ The loop sees one protocol, :class:`RewardSource`: ``score(rows, samples) -> Sco
 of each group, in order). Behind it, the text sources (a function, an endpoint) follow OpenRLHF's contract: ``(queries, prompts, labels) -> {"rewards", "scores",
 "extra_logs"}`` where ``queries`` are the full decoded sequences (prompt + response), ``rewards``
 drive the advantages, ``scores`` (default: the rewards) are what the task counts as success, and
-``extra_logs`` are extra per-sample metrics. A result with the wrong shape, NaN or non-numeric
-values stops the step with an error naming the source.
+``extra_logs`` are extra metrics, per sample or one number for the batch (OpenRLHF's ``math_reward_func`` logs its
+batch accuracy as a 0-dim tensor). Each may be a list, a numpy array or a tensor. A result with the wrong shape, NaN
+or non-numeric values stops the step with an error naming the source and the shapes accepted.
 """
 
 from __future__ import annotations
@@ -50,13 +51,24 @@ def load_reward_func(ref: str) -> Callable[..., Any]:
     return load_callable(ref, "reward_func", "reward func", "(queries, prompts, labels)", RewardError)
 
 
-def _as_tensor(values: Any, n: int, what: str, source: str) -> torch.Tensor:
+SHAPES = "a list, tuple, numpy array or tensor of one number per sample"
+
+
+def _as_tensor(values: Any, n: int, what: str, source: str, batch_value: bool = False) -> torch.Tensor:
+    """``values`` as a float tensor [n]; with ``batch_value`` a single number (a float, a 0-dim tensor: the batch's
+    value, as OpenRLHF logs an ``extra_logs`` entry) is that value for every sample."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
     try:
         t = torch.as_tensor(values, dtype=torch.float32).flatten()
-    except (TypeError, ValueError) as e:
-        raise RewardError(f"{source}: '{what}' is not numeric ({type(e).__name__}: {e}; got {str(values)[:80]})") from e
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise RewardError(f"{source}: '{what}' is not numeric ({type(e).__name__}: {e}; got {str(values)[:80]}); "
+                          f"expected {SHAPES}" + (" or one number (the batch's)" if batch_value else "")) from e
+    if batch_value and t.numel() == 1:
+        t = t.expand(n).clone()
     if t.numel() != n:
-        raise RewardError(f"{source}: '{what}' has {t.numel()} values for {n} samples")
+        raise RewardError(f"{source}: '{what}' has {t.numel()} values for {n} samples; expected {SHAPES}"
+                          + (" or one number (the batch's value, e.g. a 0-dim tensor)" if batch_value else ""))
     if not torch.isfinite(t).all():
         bad = [i for i, v in enumerate(t.tolist()) if not math.isfinite(v)]
         raise RewardError(f"{source}: '{what}' has non-finite values (NaN or inf) at samples {bad[:10]}")
@@ -71,7 +83,7 @@ def check_result(result: Any, n: int, source: str) -> dict[str, Any]:
         raise RewardError(f"{source}: expected a dict with 'rewards' (and optional 'scores', 'extra_logs'), got {type(result).__name__}")
     rewards = _as_tensor(result["rewards"], n, "rewards", source)
     scores = _as_tensor(result["scores"], n, "scores", source) if result.get("scores") is not None else rewards.clone()
-    extra = {k: _as_tensor(v, n, f"extra_logs.{k}", source) for k, v in (result.get("extra_logs") or {}).items()}
+    extra = {k: _as_tensor(v, n, f"extra_logs.{k}", source, batch_value=True) for k, v in (result.get("extra_logs") or {}).items()}
     return {"rewards": rewards, "scores": scores, "extra_logs": extra}
 
 

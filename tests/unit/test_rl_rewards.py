@@ -221,3 +221,46 @@ def test_sampling_settings_that_cannot_be_trained_on_are_refused_by_name():
         load_config(RLConfig, [recipe, "rollout.top_p=0.9"])
     with pytest.raises(Exception, match=r"(?s)algo: .*entropy_coef: -0.1 must be >= 0"):
         load_config(RLConfig, [recipe, "algo.entropy_coef=-0.1"])
+
+
+# a reward file in the shape of OpenRLHF's examples/python/math_reward_func.py: per-sample tensors for rewards and
+# scores, the batch's accuracy as a 0-dim tensor in extra_logs, and the two helpers it imports from openrlhf.utils
+OPENRLHF_MATH = """
+import torch
+from stages.common.graders import extract_boxed_answer, grade_answer
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    rewards = []
+    for query, prompt, label in zip(queries, prompts, labels):
+        response = query[len(prompt):] if prompt in query else query
+        rewards.append(1.0 if grade_answer(extract_boxed_answer(response), label) else 0.0)
+    rewards_tensor = torch.tensor(rewards, dtype=torch.float)
+    return {"rewards": rewards_tensor, "scores": rewards_tensor, "extra_logs": {"math_accuracy": rewards_tensor.mean()}}
+"""
+
+
+def test_openrlhf_shaped_results_are_accepted_and_a_batch_value_is_logged_for_the_batch(tmp_path):
+    from stages.rl.experience import Scores
+
+    out = FuncReward(_func_file(tmp_path, OPENRLHF_MATH))(
+        ["Q1 so \\boxed{\\frac{1}{2}}", "Q2 \\boxed{3}", "Q3 none", "Q4 \\boxed{2^{3}}"], ["Q1", "Q2", "Q3", "Q4"], ["0.5", "4", "1", "8"])
+    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    # the 0-dim batch accuracy (0.5) is that value for every sample: its mean, the logged number, is 0.5
+    assert out["extra_logs"]["math_accuracy"].tolist() == [0.5] * 4
+    assert Scores.of(out).extra_logs["math_accuracy"].mean().item() == 0.5
+    # a step logs an extra_logs entry as its mean over the samples (stages.rl.metrics.step_metrics)
+    numpy_shaped = _func_file(tmp_path, "import numpy as np\ndef reward_func(q, p, l):\n    return {'rewards': np.array([1, 0]), "
+                                        "'scores': [1.0, 0.0], 'extra_logs': {'n': 2.0, 'per': np.array([3.0, 4.0])}}\n")
+    out = FuncReward(numpy_shaped)(["a", "b"], ["", ""], [0, 0])
+    assert out["rewards"].tolist() == [1.0, 0.0] and out["extra_logs"]["n"].tolist() == [2.0, 2.0]
+    assert out["extra_logs"]["per"].tolist() == [3.0, 4.0]
+
+
+def test_a_wrong_shape_says_which_shapes_are_accepted(tmp_path):
+    bad = _func_file(tmp_path, "def reward_func(q, p, l):\n    return {'rewards': [1.0, 0.0], 'extra_logs': {'acc': [1.0, 0.0, 1.0]}}\n")
+    with pytest.raises(RewardError, match=r"'extra_logs.acc' has 3 values for 2 samples; expected a list, tuple, numpy array "
+                                          r"or tensor of one number per sample or one number \(the batch's value"):
+        FuncReward(bad)(["a", "b"], ["", ""], [0, 0])
+    with pytest.raises(RewardError, match=r"'rewards' has 1 values for 2 samples; expected a list, tuple, numpy array or tensor"):
+        FuncReward(_func_file(tmp_path, "def reward_func(q, p, l):\n    return {'rewards': 1.0}\n"))(["a", "b"], ["", ""], [0, 0])
