@@ -152,6 +152,28 @@ def import_closure(module: str, root: Path = PROJECT_ROOT) -> tuple[Path, ...]:
     return tuple(sorted(f for f in files if f.is_relative_to(root.resolve())))
 
 
+def plugin_files(source: str | Path) -> tuple[Path, ...]:
+    """A user's code file (a reward function, an agent, a grader) and every module it imports, directly or through
+    others, from its own folder tree or the project (``modulefinder``, as :func:`import_closure`: imports inside
+    functions count; installed packages are not followed)."""
+    src = Path(source).resolve()
+    folder = src.parent
+    finder = modulefinder.ModuleFinder(path=[str(folder), str(PROJECT_ROOT)])
+    try:
+        finder.run_script(str(src))
+    except SyntaxError:  # the plugin's own import reports it, naming the file; its bytes still count
+        return (src,)
+    files = {src} | {Path(m.__file__).resolve() for m in finder.modules.values() if m.__file__}
+    return tuple(sorted(f for f in files if f.suffix == ".py" and (f.is_relative_to(folder) or f.is_relative_to(PROJECT_ROOT.resolve()))))
+
+
+def plugin_digest(source: str | Path) -> str:
+    """sha256 over (path relative to the file's folder, contents) of :func:`plugin_files`: editing a helper module the
+    file imports is a new identity; moving the folder elsewhere is not."""
+    folder = Path(source).resolve().parent
+    return content_digest({os.path.relpath(f, folder): sha256_file(f) for f in plugin_files(source)})
+
+
 def code_version(modules: tuple[str, ...], root: Path | None = None) -> str:
     """sha256 over the (relative path, contents) of every project file the modules' import closure holds."""
     root = PROJECT_ROOT if root is None else root

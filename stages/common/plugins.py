@@ -1,8 +1,10 @@
 """User code named in a recipe: ``path/to/file.py``, ``path/to/file.py:function`` or ``package.module:function``.
 
 One loader for reward functions (``reward.func``) and graders (``grader``, ``eval_grader``). A file is imported
-from its path; a module by its dotted name (it must be importable in the stage's environment). The run
-identity covers the file the reference resolves to (:func:`source_file`), so editing it reruns the stage.
+from its path, its folder first on ``sys.path`` (as Python runs a script: ``import helper`` finds ``helper.py`` beside
+it); a module by its dotted name (it must be importable in the stage's environment). The run identity covers the file
+the reference resolves to (:func:`source_file`) and the modules it imports from its folder tree
+(``stages.common.identity.plugin_files``), so editing either reruns the stage.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def load_module(ref: str, what: str, error: type[Exception] = PluginError):
             from datasets_prep.loading import looked_for
 
             raise error(f"{what} {ref}: not found ({looked_for(p)})")
+        import sys
+
+        if str(p.resolve().parent) not in sys.path:
+            sys.path.insert(0, str(p.resolve().parent))
         spec = importlib.util.spec_from_file_location(f"user_plugin_{abs(hash(str(p.resolve())))}", p)
         module = importlib.util.module_from_spec(spec)
         try:

@@ -13,7 +13,9 @@ from everything that decides what the run computes:
   watched, bounded or continued (``train.resume``, ``train.progress_bar``, ``train.logging_steps``, the
   deadlines and retries, ``train.keep_last``);
 - the content digests of its input checkpoints;
-- the content digest of every local file or folder its config names (``StageSpec.files``);
+- the content digest of every local file or folder its config names (``StageSpec.files``); for a file of user code
+  (``StageSpec.plugins``: a reward function, an agent, a grader), of it and the modules it imports from its own
+  folder tree (``identity.plugin_files``);
 - its code version: the sha256 of the source files in the import closure of the stage's modules
   within the project (``modulefinder``: imports inside functions count), so any edit to code the
   stage can run changes it, and nothing has to be listed by hand.
@@ -46,6 +48,7 @@ from stages.common.identity import (  # noqa: F401  (re-exported: what a stage m
     get_dotted,
     import_closure,
     make_run,
+    plugin_digest,
 )
 from stages.common.models import resolve_model
 
@@ -138,20 +141,22 @@ class StageSpec:
         identity (offline, from the local Hugging Face cache; neither: a DataError naming the id)."""
         from datasets_prep.loading import hub_revision, is_hub_id
 
+        from stages.common.plugins import source_file
+
         found: dict[str, str] = {}
         for dotted in self.files:
             value = get_dotted(config, dotted)
             for item in [value] if isinstance(value, str) else value or []:
-                if item not in found and item not in ("", ".") and os.path.exists(item):
-                    found[item] = path_digest(item)
-                elif item and item not in found and dotted.endswith(".paths") and is_hub_id(item):
-                    found[item] = "hub:" + hub_revision(item, get_dotted(config, dotted.rsplit(".", 1)[0] + ".revision"))
-                elif item and dotted in self.plugins and item not in found:  # file.py:name, module:name
-                    from stages.common.plugins import source_file
-
+                if item in found or item in ("", "."):
+                    continue
+                if dotted in self.plugins:  # file.py, file.py:name, module:name: the file and what it imports
                     src = source_file(item)
                     if src is not None:
-                        found[item] = path_digest(src)
+                        found[item] = "code:" + plugin_digest(src)
+                elif os.path.exists(item):
+                    found[item] = path_digest(item)
+                elif dotted.endswith(".paths") and is_hub_id(item):
+                    found[item] = "hub:" + hub_revision(item, get_dotted(config, dotted.rsplit(".", 1)[0] + ".revision"))
         return found
 
     def resolve_inputs(self, config: BaseModel, given: Mapping[str, InputValue]) -> dict[str, InputValue]:

@@ -173,3 +173,34 @@ def test_a_hub_dataset_id_enters_the_identity_as_the_commit_it_resolves_to(tmp_p
     with pytest.raises(DataError, match=r"^org/other: a hub dataset id whose revision 'main' can't be resolved to a commit: "
                                         r"offline \(HF_HUB_OFFLINE=1\) and not in the local Hugging Face cache"):
         spec.file_digests(SFTConfig.model_validate({"data": {"paths": ["org/other"]}}))
+
+
+def test_a_plugin_file_s_identity_covers_the_helper_modules_it_imports_from_its_folder_tree(tmp_path):
+    from stages.common.identity import plugin_files
+    from stages.rl.rewards import FuncReward
+
+    rewards = tmp_path / "rewards"
+    (rewards / "shared").mkdir(parents=True)
+    (rewards / "shared" / "__init__.py").write_text("")
+    (rewards / "shared" / "parse.py").write_text("def answer(text):\n    return text.split()[-1]\n")
+    (rewards / "helper.py").write_text("from shared.parse import answer\n\nBONUS = 1.0\n")
+    (rewards / "unused.py").write_text("X = 1\n")
+    func = rewards / "reward.py"
+    # one helper at the top, one inside the function (imports inside functions count, as for the stage's code)
+    func.write_text("import json\nimport torch\nimport helper\n\n\ndef reward_func(q, p, l):\n    from shared import parse\n"
+                    "    return [helper.BONUS * (parse.answer(x) == y) for x, y in zip(q, l)]\n")
+    assert {f.relative_to(rewards).as_posix() for f in plugin_files(func)} == {
+        "reward.py", "helper.py", "shared/__init__.py", "shared/parse.py"}
+    spec = registry.spec("rl")
+    for i, ref_form in enumerate((str(func), f"{func}:reward_func")):
+        cfg = RLConfig.model_validate({"data": {"paths": ["data/none.jsonl"]}, "reward": {"func": ref_form}})
+        before = spec.identify(cfg, {"policy": ref("a")}).key
+        (rewards / "shared" / "parse.py").write_text(f"def answer(text):\n    return text.split()[{i}]\n")  # a helper's helper
+        edited = spec.identify(cfg, {"policy": ref("a")}).key
+        (rewards / "helper.py").write_text(f"from shared.parse import answer\n\nBONUS = {2.0 + i}\n")
+        again = spec.identify(cfg, {"policy": ref("a")}).key
+        assert len({before, edited, again}) == 3
+        (rewards / "unused.py").write_text(f"X = {i + 2}\n")  # a file it does not import is not part of it
+        assert spec.identify(cfg, {"policy": ref("a")}).key == again
+    # and the file runs as written: its folder is where `import helper` looks (BONUS 3.0; parse.answer: the 2nd word)
+    assert FuncReward(str(func))(["a 1", "b c"], ["", ""], ["1", "b"])["rewards"].tolist() == [3.0, 0.0]
