@@ -102,54 +102,97 @@ def plan(source: str | Path, output_root: str | None = None, stage_overrides: di
 def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
               stage_overrides: dict[str, dict[str, Any]] | None = None, cluster_address: str | None = None) -> Plan:
     """:func:`plan` of a pipeline recipe already read (``source`` names it in errors)."""
-    if output_root is not None:
-        data["output_root"] = output_root
-    if cluster_address:
-        data["cluster"] = {**(data.get("cluster") or {}), "address": cluster_address}
-    try:
-        recipe = PipelineRecipe.model_validate(data)
-    except ValidationError as e:
-        raise RecipeError(format_validation_error(e, source, PipelineRecipe)) from None
-    unknown = set(stage_overrides or {}) - {s.name for s in recipe.stages}
-    if unknown:
-        names = [s.name for s in recipe.stages]
-        hint = "".join(did_you_mean(u, names) for u in sorted(unknown))
-        raise RecipeError(f"{source}: overrides for stages {sorted(unknown)} that the pipeline does not have{hint} "
-                          f"(its stages: {names})")
+    recipe = _recipe(data, source, output_root, cluster_address)
+    _check_override_names(recipe, stage_overrides or {}, source)
     out = Plan(recipe)
     if recipe.sweep is not None:
         from flows.sweeps import expand
 
         stages, out.variants = expand(recipe.stages, recipe.sweep, source)
-        recipe = recipe.model_copy(update={"stages": stages})
-        out.recipe = recipe
+        out.recipe = recipe = recipe.model_copy(update={"stages": stages})
     copied_from = {copy: original for v in out.variants for original, copy in v["stages"].items()}
     produced: dict[str, str] = {}  # stage name -> output kind
     for i, spec in enumerate(recipe.stages):
-        where = f"{source}: stages[{i}] ({spec.name})"
-        if spec.stage not in registry.STAGES:
-            raise RecipeError(f"{where}.stage: unknown stage {spec.stage!r}; expected one of {sorted(registry.STAGES)}")
-        if spec.name in produced:
-            raise RecipeError(f"{where}.name: {spec.name!r} is used by an earlier stage; stage names must be unique")
-        stype = registry.spec(spec.stage)
         given = stage_overrides or {}  # a swept stage's copies take the overrides given for it by its own name
         overrides = {**spec.overrides, **(given.get(spec.name) or given.get(copied_from.get(spec.name, "")) or {})}
-        config = _load_stage_config(stype, spec, overrides, recipe, where)
-        _preflight(stype, config, where)
-        kinds = _input_kinds(stype, spec, produced, {s.name for s in recipe.stages}, where)
-        output = stype.output_kind(config, kinds)
-        out.stages.append(PlannedStage(spec, stype, config, output))
-        produced[spec.name] = output
+        planned = _plan_stage(spec, overrides, recipe, produced, f"{source}: stages[{i}] ({spec.name})")
+        out.stages.append(planned)
+        produced[spec.name] = planned.output
+    out.gates = _plan_gates(out.stages, source)
+    return out
+
+
+def _recipe(data: dict[str, Any], source: str, output_root: str | None, cluster_address: str | None) -> PipelineRecipe:
+    """The pipeline recipe, with the command line's output root and cluster address over its own."""
+    if output_root is not None:
+        data["output_root"] = output_root
+    if cluster_address:
+        data["cluster"] = {**(data.get("cluster") or {}), "address": cluster_address}
+    try:
+        return PipelineRecipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(format_validation_error(e, source, PipelineRecipe)) from None
+
+
+def _check_override_names(recipe: PipelineRecipe, stage_overrides: dict[str, Any], source: str) -> None:
+    unknown = set(stage_overrides) - {s.name for s in recipe.stages}
+    if unknown:
+        names = [s.name for s in recipe.stages]
+        hint = "".join(did_you_mean(u, names) for u in sorted(unknown))
+        raise RecipeError(f"{source}: overrides for stages {sorted(unknown)} that the pipeline does not have{hint} "
+                          f"(its stages: {names})")
+
+
+def _plan_stage(spec: StagePlan, overrides: dict[str, Any], recipe: PipelineRecipe, produced: dict[str, str],
+                where: str) -> PlannedStage:
+    """One stage checked: its type, a unique name, its config (recipe + overrides), its files and code, its wiring."""
+    if spec.stage not in registry.STAGES:
+        raise RecipeError(f"{where}.stage: unknown stage {spec.stage!r}; expected one of {sorted(registry.STAGES)}")
+    if spec.name in produced:
+        raise RecipeError(f"{where}.name: {spec.name!r} is used by an earlier stage; stage names must be unique")
+    stype = registry.spec(spec.stage)
+    config = _load_stage_config(stype, spec, overrides, recipe, where)
+    _preflight(stype, config, where)
+    kinds = _input_kinds(stype, spec, produced, {s.name for s in recipe.stages}, where)
+    return PlannedStage(spec, stype, config, stype.output_kind(config, kinds))
+
+
+def _plan_gates(stages: list[PlannedStage], source: str) -> list:
+    """Every stage's gates parsed, each metric they name checked against what its stage logs (an eval stage's: a
+    model wired into it, and a metric of its report)."""
     from flows.gates import parse
 
-    types = {s.name: s.stage for s in recipe.stages}
-    for i, spec in enumerate(recipe.stages):
-        for text in spec.gates:
+    by_name = {s.spec.name: s for s in stages}
+    types = {name: s.spec.stage for name, s in by_name.items()}
+    out = []
+    for i, st in enumerate(stages):
+        for text in st.spec.gates:
+            where = f"{source}: stages[{i}] ({st.spec.name}).gates"
             try:
-                out.gates.append(parse(text, spec.name, types))
+                gate = parse(text, st.spec.name, types)
             except RecipeError as e:
-                raise RecipeError(f"{source}: stages[{i}] ({spec.name}).{e}") from None
+                raise RecipeError(f"{source}: stages[{i}] ({st.spec.name}).{e}") from None
+            for ref in gate.refs():
+                _check_metric(ref, by_name, f"{where}: {gate.text!r}")
+            out.append(gate)
     return out
+
+
+def _check_metric(ref: str, stages: dict[str, PlannedStage], where: str) -> None:
+    """``ref`` (``<stage>.<metric>``, ``<eval>.<model>.<metric>``) names a metric its stage declares it logs."""
+    from stages.common.stage import unknown_metric
+
+    import re
+
+    name, *rest = ref.split(".")
+    st = stages[name]
+    if len(rest) == 2:  # an eval report's row: the model is a stage wired into it
+        model, rest = rest[0], rest[1:]
+        wired = st.spec.inputs.get("models") or []
+        if wired and model not in wired:  # "did you mean" also by a sweep copy's original name (rl for rl-v0)
+            close = did_you_mean(model, wired) or did_you_mean(model, {re.sub(r"-v\d+$", "", w): w for w in wired})
+            raise RecipeError(f"{where}: the eval stage {name!r} reports no model {model!r}{close} (its models: {', '.join(wired)})")
+    unknown_metric(st.stage.metrics(st.config), rest[0], where, f"the {st.spec.stage} stage {name!r}")
 
 
 def _preflight(stype: StageSpec, config: BaseModel, where: str) -> None:

@@ -47,7 +47,7 @@ from stages.common.config import (
 from stages.common.logprobs import token_logps
 from stages.common.preference_losses import PolicyPair, dpo_loss
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
-from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
+from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit, training_metrics
 
 STAGE = "dpo"
 
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
 
 SPEC = StageSpec(STAGE, DPOConfig, run_dpo,
                  (Input("policy", (POLICY,), field="base"), Input("reference", (POLICY,), field="reference")),
-                 output=trained_output(POLICY, ADAPTER), files=("data.paths", "eval_data.paths"))
+                 output=trained_output(POLICY, ADAPTER), files=("data.paths", "eval_data.paths"),
+                 metrics=lambda config: training_metrics(config, ("chosen_reward", "rejected_reward", "reward_accuracy", "reward_margin")))
 
 if __name__ == "__main__":
     main()

@@ -38,7 +38,7 @@ from stages.common.config import PROMPT_DATA_UNUSED, ClusterConfig, StageConfig,
 from stages.common.graders import grade, load_grader
 from stages.common.launcher import launch
 from stages.common.plots import y_scale
-from stages.common.stage import POLICY, REPORT, REWARD, Input, StageRun, StageSpec, cli_run
+from stages.common.stage import POLICY, REPORT, REWARD, Input, StageRun, StageSpec, cli_run, logged
 
 METRICS = ("accuracy", "pass@k", "response_length", "reward", "kl_to_reference")
 
@@ -274,6 +274,7 @@ SPEC = StageSpec(
      Input("reference", (POLICY,), field="reference")),
     output=REPORT, files=("data.paths", "grader"), plugins=("grader",), result=EvalReport, existing=existing_report,
     check=lambda config: load_grader(config.grader),  # a bad grader reference fails before anything starts
+    metrics=lambda config: logged(METRICS, "n"),  # each model's (gates: <eval>.<model>.<metric>)
 )
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from stages.common.stage import (
     print_result,
     trained_output,
 )
-from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
+from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit, training_metrics
 
 STAGE = "reward_model"
 
@@ -185,7 +185,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 SPEC = StageSpec(STAGE, RewardModelConfig, run_reward_model, (Input("base", (POLICY,), field="base"),),
-                 output=trained_output(REWARD, REWARD_ADAPTER), files=("data.paths", "eval_data.paths"))
+                 output=trained_output(REWARD, REWARD_ADAPTER), files=("data.paths", "eval_data.paths"),
+                 metrics=lambda config: training_metrics(config, ("accuracy", "chosen_reward", "rejected_reward"),
+                                                         # the held-out metrics, and the manifest's reward_stats
+                                                         ("accuracy", "chosen_reward", "rejected_reward"),
+                                                         ("reward_mean", "reward_std") if config.eval_data else ()))
 
 if __name__ == "__main__":
     main()

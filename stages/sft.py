@@ -29,7 +29,7 @@ from stages.common.config import (
 )
 from stages.common.logprobs import masked_sum, token_logps
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
-from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit
+from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit, training_metrics
 
 STAGE = "sft"
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 SPEC = StageSpec(STAGE, SFTConfig, run_sft, (Input("base", (POLICY,), field="base"),),
-                 output=trained_output(POLICY, ADAPTER), files=("data.paths", "eval_data.paths"))
+                 output=trained_output(POLICY, ADAPTER), files=("data.paths", "eval_data.paths"), metrics=training_metrics)
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@ Run: ``python -m stages.tiny_model recipes/base/tiny.yaml [key=value ...]``
 
 from __future__ import annotations
 
-from stages.common.stage import StageSpec, print_result
+from stages.common.stage import StageSpec, logged, print_result
 from stages.common.tiny import (  # noqa: F401  (the factory, as this stage's module offers it)
     PRESETS,
     TinyModelConfig,
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     print_result(SPEC, argv)
 
 
-SPEC = StageSpec("tiny_model", TinyModelConfig, run_tiny_model)
+SPEC = StageSpec("tiny_model", TinyModelConfig, run_tiny_model, metrics=lambda config: logged(["parameters"]))
 
 if __name__ == "__main__":
     main()

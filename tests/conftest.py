@@ -78,7 +78,25 @@ def metrics(ref, initial: bool = False) -> list[dict]:
     """The step rows of a stage run's metrics.jsonl (beside its checkpoint ``ref``); ``initial=True`` adds step 0,
     the held-out eval before the first step that an RL run with eval_data logs."""
     rows = [json.loads(ln) for ln in (Path(ref.path).parent / "metrics.jsonl").read_text().splitlines()]
+    assert_declared(ref, rows)
     return rows if initial else [r for r in rows if r["step"] > 0]
+
+
+def assert_declared(ref, rows: list[dict]) -> None:
+    """Every metric the run logged, and every number a gate can read of it (flows.gates.stage_metrics), is one its
+    stage declares (StageSpec.metrics: what gates and save_best are checked against at planning)."""
+    from checkpoints import read_manifest
+    from flows.gates import stage_metrics
+    from stages import registry
+
+    run_dir = Path(ref.path).parent
+    spec = registry.spec(read_manifest(ref.path).stage)
+    config = spec.config.model_validate(json.loads((run_dir / "identity.json").read_text())["config"])
+    declared = spec.metrics(config)
+    if declared.open:
+        return
+    logged = {k for r in rows for k in r} | set(stage_metrics(ref, run_dir))
+    assert logged <= declared.names, f"{spec.name} logged metrics it does not declare: {sorted(logged - declared.names)}"
 
 
 def no_worker_processes(under: Path | str) -> list[str]:

@@ -27,7 +27,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # settings that change how a run is watched or continued, not what it computes
 NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps", "train.keep_last", "train.timeout_s", "logging",
-                   "cluster", "timeout_s", "ray.call_timeout_s", "ray.startup_timeout_s", "reward.timeout_s", "reward.retries",
+                   "cluster", "timeout_s", "ray.call_timeout_s", "ray.startup_timeout_s", "reward.timeout_s", "reward.retries", "reward.check_call",
                    "verify_sync", "sync_tolerance", "sync_min_prob",
                    # how the weights travel and where the engines keep them: the same numbers either way (tests/integration/test_rl.py)
                    "sync", "rollout.enforce_eager", "rollout.gpu_memory_utilization", "rollout.enable_sleep", "train.enable_sleep",

@@ -63,6 +63,33 @@ InputValue = CheckpointRef | Mapping[str, CheckpointRef] | None
 
 
 @dataclass(frozen=True)
+class Logged:
+    """The metrics a run of a stage can be gated on (``flows.gates.stage_metrics``: the last ``metrics.jsonl`` row and
+    the numbers of the manifest's ``extra``), declared by the stage so that a pipeline's gates and ``save_best`` are
+    checked against them at planning. ``open``: what adds names only a run knows (an agent's info, a reward endpoint's
+    ``extra_logs``), or None: the names are all there are."""
+
+    names: frozenset[str]
+    open: str | None = None
+
+
+def logged(*groups: Any, open: str | None = None) -> Logged:  # noqa: A002  (the field's name)
+    return Logged(frozenset(n for g in groups for n in ([g] if isinstance(g, str) else g)), open)
+
+
+def unknown_metric(declared: Logged, name: str, what: str, stage: str) -> None:
+    """A RecipeError naming ``what`` when ``name`` is not a metric the stage (``stage``: how to name it) logs, with a
+    "did you mean" and the names it does log; a stage whose names are open (``Logged.open``) accepts any name."""
+    if name in declared.names or declared.open:
+        return
+    from stages.common.cli import did_you_mean
+    from stages.common.recipe import RecipeError
+
+    raise RecipeError(f"{what}: {stage} logs no metric {name!r}{did_you_mean(name, declared.names)} "
+                      f"(it logs: {', '.join(sorted(declared.names)) or 'none'})")
+
+
+@dataclass(frozen=True)
 class Input:
     """One input of a stage: a checkpoint (or, with ``many``, checkpoints labelled by name)."""
 
@@ -99,6 +126,8 @@ class StageSpec:
     # the stage's own checks of what its config names, run before any process starts (code that must import, a
     # server that must accept connections); raise the project's errors (PluginError, RecipeError, ...)
     check: Callable[[BaseModel], None] | None = None
+    # the metrics a run of this config logs (gates and save_best are checked against them at planning)
+    metrics: Callable[[BaseModel], Logged] = lambda config: Logged(frozenset())
 
     def preflight(self, config: BaseModel) -> None:
         """What a config names that can be checked before any process starts (the CLI and a pipeline's plan run
@@ -113,6 +142,9 @@ class StageSpec:
                 check_path(item, dotted)
         if self.check is not None:
             self.check(config)
+        best = get_dotted(config, "train.save_best.metric")
+        if best:
+            unknown_metric(self.metrics(config), best, f"train.save_best.metric: {best!r}", f"the {self.name} stage")
 
     def output_kind(self, config: BaseModel, input_kinds: Mapping[str, Any]) -> str:
         return self.output(config, input_kinds) if callable(self.output) else self.output

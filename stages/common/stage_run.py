@@ -18,7 +18,26 @@ from checkpoints import CheckpointRef, commit, staging
 from checkpoints.store import CheckpointKind
 from stages.common.config import SaveBestConfig
 from stages.common.launcher import launch
-from stages.common.stage import StageRun
+from stages.common.stage import Logged, StageRun, logged
+
+# what trainer.fit logs at every step, beside the loss function's own metrics
+FIT_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
+
+
+def training_metrics(config: BaseModel, loss_metrics: tuple[str, ...] = (), held_out: tuple[str, ...] | None = None,
+                     manifest: tuple[str, ...] = ()) -> Logged:
+    """The metrics a training stage (SFT, RM, DPO) can be gated on: :data:`FIT_METRICS` and its loss function's
+    (``loss_metrics``), with ``eval_data`` the held-out ones (``eval_`` + ``held_out``, default: the loss and
+    ``loss_metrics``), the manifest's ``steps``, its data report's counts and its own numbers (``manifest``)."""
+    from datasets_prep.sft import PrepReport
+
+    names = [*FIT_METRICS, *loss_metrics, "step", "steps", *manifest,
+             *(f.name for f in dataclasses.fields(PrepReport) if f.type in (int, "int"))]
+    if getattr(config, "eval_data", None) is not None:
+        names += [f"eval_{m}" for m in (("loss", *loss_metrics) if held_out is None else held_out)]
+    if config.train.save_best is not None:
+        names += ["value"]  # the manifest's best: {metric, mode, step, value}
+    return logged(names)
 
 
 def check_data_fits(train, num_items: int, paths: list[str]) -> None:

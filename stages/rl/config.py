@@ -135,6 +135,7 @@ class RewardSourceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     func: str | None = Field(None, description="file.py (its reward_func), file.py:name or module:name")
+    check_call: bool = Field(True, description="at planning, call func once on two held-out (else training) rows with an empty response: its answer's shape and extra_logs names are checked before anything starts")
     url: str | list[str] | None = Field(None, description="one endpoint, or several: each call's samples are split into one contiguous batch per endpoint, sent at once")
     protocol: Literal["openrlhf", "queries"] = Field("openrlhf", description="openrlhf: POST {\"query\", \"prompts\", \"labels\"} (OpenRLHF's remote reward servers and serve_rm); queries: POST {\"queries\", \"prompts\", \"labels\"}. Both answer {\"rewards\", \"scores\"?, \"extra_logs\"?}")
     token_env: str | None = Field(None, description="the environment variable holding a token sent as \"Authorization: Bearer <token>\" (never logged)")

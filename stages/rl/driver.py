@@ -49,6 +49,7 @@ from stages.rl.algorithms import ADVANTAGE_ESTIMATORS
 from stages.rl.config import RLConfig
 from stages.rl.experience import KLController, StepPlan, make_experience
 from stages.rl.metrics import PhaseTimer, mean_kl, no_signal_reason, signal_metrics, step_metrics
+from stages.rl.preflight import logged_metrics, plugins, preflight
 from stages.rl.rewards import EpisodeReward, ModelReward, TextReward, text_reward
 from stages.rl.sampler import Rollout, Sampler
 from stages.rl.weight_sync import SyncError, WeightSync  # noqa: F401  (SyncError: the stage's own error)
@@ -69,7 +70,7 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     plan = StepPlan.of(config)
     critic_init = _check_inputs(config, plan, policy, reward_model, critic)
     text = None if reward_model is not None or config.rollout.agent else text_reward(config)  # a bad file fails here
-    agent, grader = _plugins(config)
+    agent, grader = plugins(config)
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
     rows = load_rows(config.data, check_prompt_label_row(config.data))
     eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
@@ -116,20 +117,6 @@ def _check_inputs(config: RLConfig, plan: StepPlan, policy: CheckpointRef, rewar
     start = critic or reward_model or policy
     require_kind(start, ("full", "reward"), "the critic's starting model")
     return start
-
-
-def _plugins(config: RLConfig):
-    """The agent and the held-out grader the config names (a bad reference fails here, before Ray starts)."""
-    agent = grader = None
-    if config.rollout.agent:
-        from stages.rl.agents import load_agent
-
-        agent = load_agent(config.rollout.agent)
-    if config.eval_grader:
-        from stages.common.graders import load_grader
-
-        grader = load_grader(config.eval_grader)
-    return agent, grader
 
 
 class RLLoop:
@@ -312,18 +299,6 @@ def main(argv: list[str] | None = None) -> None:
     print_result(SPEC, argv)
 
 
-def _preflight(config: RLConfig) -> None:
-    """Before any process starts: the reward function, agent and grader import, and every reward server accepts
-    connections."""
-    from stages.rl.rewards import check_reachable
-
-    if config.reward.func and not config.rollout.agent:
-        text_reward(config)
-    _plugins(config)
-    for url in config.reward.urls:
-        check_reachable(url, min(config.reward.timeout_s, 5.0))
-
-
 SPEC = StageSpec(
     STAGE, RLConfig, run_rl,
     (Input("policy", (POLICY,), field="base"), Input("reward_model", (REWARD,), field="reward.model"),
@@ -331,7 +306,8 @@ SPEC = StageSpec(
     output=trained_output(POLICY, ADAPTER),
     files=("data.paths", "eval_data.paths", "reward.func", "eval_grader", "rollout.agent"),
     plugins=("reward.func", "eval_grader", "rollout.agent"),
-    check=_preflight,
+    check=preflight,
+    metrics=logged_metrics,
 )
 
 if __name__ == "__main__":
