@@ -180,9 +180,9 @@ def _plan_gates(stages: list[PlannedStage], source: str) -> list:
 
 def _check_metric(ref: str, stages: dict[str, PlannedStage], where: str) -> None:
     """``ref`` (``<stage>.<metric>``, ``<eval>.<model>.<metric>``) names a metric its stage declares it logs."""
-    from stages.common.stage import unknown_metric
-
     import re
+
+    from stages.common.stage import unknown_metric
 
     name, *rest = ref.split(".")
     st = stages[name]

@@ -47,7 +47,13 @@ from stages.common.config import (
 from stages.common.logprobs import token_logps
 from stages.common.preference_losses import PolicyPair, dpo_loss
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
-from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit, training_metrics
+from stages.common.stage_run import (
+    check_data_fits,
+    read_items,
+    total_steps,
+    train_and_commit,
+    training_metrics,
+)
 
 STAGE = "dpo"
 

@@ -53,7 +53,13 @@ from stages.common.stage import (
     print_result,
     trained_output,
 )
-from stages.common.stage_run import check_data_fits, read_items, total_steps, train_and_commit, training_metrics
+from stages.common.stage_run import (
+    check_data_fits,
+    read_items,
+    total_steps,
+    train_and_commit,
+    training_metrics,
+)
 
 STAGE = "reward_model"
 

@@ -172,7 +172,6 @@ class StageSpec:
         ``paths``: the commit its ``revision`` resolves to (``hub:<sha>``), so a dataset changed upstream is a new
         identity (offline, from the local Hugging Face cache; neither: a DataError naming the id)."""
         from datasets_prep.loading import hub_revision, is_hub_id
-
         from stages.common.plugins import source_file
 
         found: dict[str, str] = {}
