@@ -20,6 +20,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,8 +171,10 @@ class Curves:
     """The curves artifact of one stage run: created at the first update with plottable metrics, then
     updated in place (one artifact per stage run, its newest state; the key's history keeps earlier runs)."""
 
-    def __init__(self, name: str, stage: str, metrics_path: str | Path, min_interval_s: float | None = None):
-        self.name, self.stage, self.path = name, stage, Path(metrics_path)
+    def __init__(self, name: str, stage: str, metrics_path: str | Path | Callable[[], Path], min_interval_s: float | None = None):
+        """``metrics_path``: the file, or a function giving it (a rerun's pending record, then the committed one)."""
+        self.name, self.stage = name, stage
+        self.where = metrics_path if callable(metrics_path) else (lambda: Path(metrics_path))
         self.key = artifact_key(name)
         self.min_interval_s = MIN_INTERVAL_S if min_interval_s is None else min_interval_s
         self.artifact_id = None
@@ -184,11 +187,12 @@ class Curves:
         """Redraw and publish if new steps were logged (and ``min_interval_s`` passed, unless ``final``)."""
         if not final and (self.min_interval_s == math.inf or time.monotonic() - self.last < self.min_interval_s):
             return False  # inf: only the last update
-        rows = load_rows(self.path)
+        path = self.where()
+        rows = load_rows(path)
         if not rows or (len(rows) == self.rows_published and not final):
             return False
         t0 = time.perf_counter()
-        text = markdown(self.name, self.stage, rows, str(self.path), final)
+        text = markdown(self.name, self.stage, rows, str(path), final)
         description = f"{self.name} ({self.stage}): training curves, step {rows[-1]['step']}"
         self._publish(text, description)
         self.seconds += time.perf_counter() - t0

@@ -33,6 +33,7 @@ from prefect.context import TaskRunContext
 from checkpoints import CheckpointError, CheckpointRef, verify
 from flows.curves import Curves
 from stages import registry
+from stages.common.identity import metrics_file
 from stages.common.launcher import StageFailed, launch
 from stages.common.progress import read_progress
 from stages.common.stage import StageRun, warn_if_unchanged
@@ -189,7 +190,7 @@ def execute_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     spec = registry.spec(run.stage)
-    curves = Curves(name, run.stage, run.run_dir / "metrics.jsonl")
+    curves = Curves(name, run.stage, lambda: metrics_file(run.run_dir))
     existing = _existing(name, run, spec) if reuse else None
     if existing is not None:
         _update_curves(curves, final=True)

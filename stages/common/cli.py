@@ -71,10 +71,12 @@ def run_cli(prog: str, argv: list[str] | None, body: Callable[[list[str]], Any],
 
 
 def usage(prog: str) -> str:
-    return (f"usage: {prog} [RECIPE.yaml] [KEY=VALUE ...] [--debug] [--help [FIELD]]\n\n"
+    return (f"usage: {prog} [RECIPE.yaml] [KEY=VALUE ...] [--refresh] [--debug] [--help [FIELD]]\n\n"
             "A recipe (YAML) and dotted overrides (train.lr=1e-5) give the config below; anything not given takes its\n"
             "default. Relative paths resolve against the working directory. --help FIELD shows one section "
-            "(e.g. --help train).\n")
+            "(e.g. --help train).\n"
+            "A run whose identity already has a committed output (from a flow or an earlier run) returns it at once;\n"
+            "--refresh trains again (the folder's metrics and TensorBoard events are replaced when the new output commits).\n")
 
 
 # ------------------------------------------------------------------------------------------------

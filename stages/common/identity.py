@@ -35,6 +35,45 @@ NOT_IN_IDENTITY = ("train.resume", "train.progress_bar", "train.logging_steps", 
                    "data.revision", "eval_data.revision")
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = ".lock"
+# a run's record (its metrics and TensorBoard events) while it reruns a folder that holds a committed output
+PENDING_RECORD = ".record.pending"
+RECORD = ("metrics.jsonl", "tensorboard")
+
+
+def record_dir(run_dir: Path) -> Path:
+    """Where a run writes its metrics and TensorBoard events: the run folder, or, while the folder holds a committed
+    checkpoint (a refresh), :data:`PENDING_RECORD` beside it, so the committed record keeps matching its checkpoint
+    until the new output commits (:func:`commit_record`)."""
+    pending = run_dir / PENDING_RECORD
+    return pending if pending.is_dir() or (run_dir / "checkpoint").is_dir() else run_dir
+
+
+def metrics_file(run_dir: Path) -> Path:
+    """The metrics being written now (a pending record's while a refresh runs), else the committed ones."""
+    return record_dir(run_dir) / RECORD[0]
+
+
+def commit_record(run_dir: Path) -> None:
+    """After a rerun's output committed: its pending record replaces the folder's (each part by a rename)."""
+    import shutil
+
+    pending = run_dir / PENDING_RECORD
+    if not pending.is_dir():
+        return
+    for name in RECORD:
+        new, old = pending / name, run_dir / name
+        if not new.exists():
+            continue
+        if new.is_dir():
+            gone = run_dir / f".{name}.replaced"
+            shutil.rmtree(gone, ignore_errors=True)
+            if old.exists():
+                os.replace(old, gone)
+            os.replace(new, old)
+            shutil.rmtree(gone, ignore_errors=True)
+        else:
+            os.replace(new, old)
+    shutil.rmtree(pending, ignore_errors=True)
 
 
 def canonical_config(config: BaseModel, drop: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -255,15 +255,20 @@ def warn_if_unchanged(label: str, result: Any, inputs: Mapping[str, InputValue],
 
 
 def cli_run(spec: StageSpec, argv: list[str] | None = None) -> Any:
-    """A stage's CLI: ``[RECIPE.yaml] [key=value ...] [--debug] [--help [FIELD]]``; inputs from their config
-    fields; the result. A mistake in what was given is one line on stderr (exit code 2)."""
+    """A stage's CLI: ``[RECIPE.yaml] [key=value ...] [--refresh] [--debug] [--help [FIELD]]``; inputs from their
+    config fields; the result. A run folder that already holds a verified output of the same identity (a flow's, an
+    earlier CLI run's) is the result at once, said on stderr; ``--refresh`` trains again (the folder's record is
+    replaced only when the new output commits). A mistake in what was given is one line on stderr (exit code 2)."""
     from stages.common.cli import run_cli
 
     prog = f"python -m stages.{spec.name}"  # every stage's command is its name under stages/
-    return run_cli(prog, argv, lambda args: _cli_body(spec, args), spec.config)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    refresh = "--refresh" in argv
+    argv = [a for a in argv if a != "--refresh"]
+    return run_cli(prog, argv, lambda args: _cli_body(spec, args, refresh), spec.config)
 
 
-def _cli_body(spec: StageSpec, argv: list[str]) -> Any:
+def _cli_body(spec: StageSpec, argv: list[str], refresh: bool = False) -> Any:
     from stages.common.recipe import RecipeError, load_config
 
     config = load_config(spec.config, argv)
@@ -272,7 +277,13 @@ def _cli_body(spec: StageSpec, argv: list[str]) -> Any:
     for inp in spec.inputs:
         if inp.required and not inputs[inp.name]:
             raise RecipeError(f"{inp.field}: required: the {spec.name} stage needs {inp.name} (e.g. {inp.field}=runs/<folder>)")
-    result = spec.run(config, **inputs)
+    run = spec.identify(config, inputs)
+    existing = None if refresh else spec.existing(run)
+    if existing is not None:
+        print(f"[{spec.name}] {run.run_dir} already holds this run's output (same identity): "
+              f"{getattr(existing, 'path', None) or existing.markdown}; not rerun (--refresh trains again)", file=sys.stderr)
+        return existing
+    result = spec.run(config, **inputs, run=run)
     warn_if_unchanged(spec.name, result, inputs)
     return result
 

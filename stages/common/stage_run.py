@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from checkpoints import CheckpointRef, commit, staging
 from checkpoints.store import CheckpointKind
 from stages.common.config import SaveBestConfig
+from stages.common.identity import commit_record
 from stages.common.launcher import launch
 from stages.common.stage import Logged, StageRun, logged
 
@@ -87,10 +88,13 @@ def commit_output(run_dir: Path, tmp: Path, save_best: SaveBestConfig | None, me
     ``train.save_best`` the best step's (``run_dir/best``, the manifest's ``best`` saying which step and value) with
     the last step's committed beside it as ``checkpoint-last`` (the manifest's ``last`` is its digest)."""
     if save_best is None:
-        return commit(tmp, run_dir / "checkpoint", **meta, extra=extra)
-    best = _best(run_dir, save_best, extra)
-    last = commit(tmp, run_dir / "checkpoint-last", **meta, extra={**extra, "last_step": True})
-    return commit(run_dir / "best", run_dir / "checkpoint", **meta, extra={**extra, "best": best, "last": last.digest})
+        ref = commit(tmp, run_dir / "checkpoint", **meta, extra=extra)
+    else:
+        best = _best(run_dir, save_best, extra)
+        last = commit(tmp, run_dir / "checkpoint-last", **meta, extra={**extra, "last_step": True})
+        ref = commit(run_dir / "best", run_dir / "checkpoint", **meta, extra={**extra, "best": best, "last": last.digest})
+    commit_record(run_dir)  # a rerun's metrics and TensorBoard events replace the record of the output it replaced
+    return ref
 
 
 def _best(run_dir: Path, cfg: SaveBestConfig, result: dict) -> dict:

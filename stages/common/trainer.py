@@ -203,14 +203,18 @@ class MetricsWriter:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.path = run_dir / "metrics.jsonl"
+        from stages.common.identity import record_dir
+
+        record = record_dir(run_dir)  # a rerun of a committed output writes beside its record (swapped at commit)
+        record.mkdir(parents=True, exist_ok=True)
+        self.path = record / "metrics.jsonl"
         if self.path.is_file():  # resuming: keep the steps that happened before the resume point
             kept = [ln for ln in kept_metric_lines(self.path) if json.loads(ln)["step"] <= start_step]
             tmp = self.path.with_name(f".{self.path.name}.tmp")
             tmp.write_text("".join(ln + "\n" for ln in kept))
             tmp.replace(self.path)
         self.file = open(self.path, "a")
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        self.tb = SummaryWriter(str(record / "tensorboard"), purge_step=start_step + 1)
         self.wandb = start_wandb(run_dir, config)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

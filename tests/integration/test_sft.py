@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoints import CheckpointError, read_manifest, verify
+from checkpoints import CheckpointError, load_ref, read_manifest, verify
 from datasets_prep.loading import DataConfig, DataError
 from datasets_prep.sft import prepare_sft
 from stages.common.config import LoggingConfig
@@ -211,3 +211,58 @@ def test_save_best_outputs_the_best_step_and_keeps_the_last_beside_it(task_files
 def test_save_best_on_a_held_out_metric_without_held_out_data_is_refused():
     with pytest.raises(ValueError, match=r"train.save_best.metric: 'eval_loss' is a held-out metric and eval_data is not set"):
         SFTConfig.model_validate({"data": {"paths": ["x.jsonl"]}, "train": {"save_best": {"metric": "eval_loss"}}})
+
+
+def test_the_cli_returns_a_committed_identity_at_once_and_a_killed_refresh_leaves_the_record_matching_its_checkpoint(
+        task_files, micro_model, tmp_path):
+    """A finished stage's CLI run again (same identity) returns the committed checkpoint without training; --refresh
+    killed midway leaves the folder's metrics.jsonl and TensorBoard events byte for byte as they were (the record of
+    the checkpoint still there); a refresh that completes replaces both together."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "stages.sft", "recipes/sft/tiny.yaml", f"base={micro_model.path}", f"output_root={tmp_path}",
+            f"data.paths=[{task_files['sft']}]", "data.input_key=messages", "data.output_key=null", "data.max_len=64",
+            "train.max_steps=4", "train.train_batch_size=8", "train.micro_train_batch_size=8", "train.dtype=fp32",
+            "train.progress_bar=false", "train.save_steps=0"]
+
+    def cli(*extra, **env):
+        return subprocess.run([*args, *extra], cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+
+    def printed(proc) -> dict:  # the reference the CLI prints last (DeepSpeed's lines may come before it)
+        out = "\n" + proc.stdout
+        return json.loads(out[out.rindex("\n{") + 1:])
+
+    first = cli()
+    assert first.returncode == 0, first.stderr
+    ref = printed(first)
+    run_dir = Path(ref["path"]).parent
+
+    def record():
+        files = [run_dir / "metrics.jsonl", *sorted((run_dir / "tensorboard").rglob("*"))]
+        return {f.relative_to(run_dir).as_posix(): f.read_bytes() for f in files if f.is_file()}
+
+    before, created = record(), read_manifest(ref["path"]).created
+    assert [json.loads(ln)["step"] for ln in before["metrics.jsonl"].decode().splitlines()] == [1, 2, 3, 4]
+    again = cli()
+    assert again.returncode == 0 and printed(again) == ref
+    assert "already holds this run's output (same identity)" in again.stderr and "not rerun (--refresh trains again)" in again.stderr
+    assert read_manifest(ref["path"]).created == created
+    killed = cli("--refresh", RLHF_FAULT_STEP="2", RLHF_FAULT_MODE="exit")  # the rank dies after logging step 2
+    assert killed.returncode != 0
+    assert record() == before and read_manifest(ref["path"]).created == created
+    verify(load_ref(ref["path"]))
+    pending = [json.loads(ln)["step"] for ln in (run_dir / ".record.pending" / "metrics.jsonl").read_text().splitlines()]
+    assert pending == [1, 2]  # the killed refresh's own record, beside the committed one
+    done = cli("--refresh")
+    assert done.returncode == 0, done.stderr
+    after = printed(done)
+    assert read_manifest(after["path"]).created != created and not (run_dir / ".record.pending").exists()
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["loss"] == pytest.approx(read_manifest(after["path"]).extra["final"]["loss"], rel=0, abs=0)
+    # the committed TensorBoard events are the refreshes' (the killed one's too: it started at step 1 as well, and
+    # TensorBoard's purge_step drops its steps), none of the first run's
+    now = record()
+    assert now["metrics.jsonl"] != before["metrics.jsonl"] and not set(now) & (set(before) - {"metrics.jsonl"})
