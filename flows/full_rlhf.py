@@ -55,10 +55,33 @@ def full_rlhf(
     refresh = list(refresh or [])
     check_refresh(p, refresh, pipeline)
     runs: dict[str, StageRun] = {}
-    outputs = run_plan(p, refresh=set(refresh), runs=runs)
-    gated = gates.evaluate(p.gates, {name: gates.stage_metrics(out, runs[name].run_dir) for name, out in outputs.items()
-                                     if any(name == r.split(".")[0] for g in p.gates for r in g.refs())})
+    failed: dict[str, str] = {}
+    outputs = run_plan(p, refresh=set(refresh), runs=runs, failed=failed)
+    metrics = {name: gates.stage_metrics(out, runs[name].run_dir) for name, out in outputs.items()
+               if any(name == r.split(".")[0] for g in p.gates for r in g.refs()) or p.select is not None}
+    gated = gates.evaluate([g for g in p.gates if g.owner not in failed], metrics)  # a failed variant's gates: not run
     result = gates.result_stage(p.gates, [s.spec.name for s in p.stages], {s.spec.name: s.spec.stage for s in p.stages})
+    summary = _stage_summary(outputs)
+    if p.variants:  # a sweep: every variant side by side, the best named; the result is the best variant's
+        summary["sweep"] = _publish_sweep(p, pipeline, outputs, runs, failed, metrics)
+        best = summary["sweep"]["best"]
+        result = sweeps.result_of(p.select, next(v for v in p.variants if v["label"] == best)) if best else result
+    passed = all(r.passed for r in gated) and not failed
+    _publish_summary(pipeline, outputs, runs, gated, result if passed else None)
+    for r in gated:
+        (logger_info if r.passed else get_run_logger().error)(f"gate {r.gate.owner}: {r.line()}")
+    if failed:
+        first = next(n for n in failed if n in runs)
+        raise StageError(f"{len([n for n in failed if n in runs])} stage(s) of the sweep failed ({', '.join(failed)}); the "
+                         f"other variants finished and the comparison is published. {first}: {failed[first]}")
+    gates.check(gated)
+    if result is not None:
+        summary["pipeline_result"] = {"stage": result, **summary[result]}
+    return summary
+
+
+def _stage_summary(outputs: dict[str, Any]) -> dict[str, Any]:
+    """Each stage's output (an eval report's table printed and published too)."""
     summary: dict[str, Any] = {}
     for name, out in outputs.items():
         if isinstance(out, EvalReport):
@@ -67,19 +90,22 @@ def full_rlhf(
             print(f"[full-rlhf] {name} report: {out.markdown}\n{Path(out.markdown).read_text()}")
         else:
             summary[name] = {"path": out.path, "kind": out.kind, "digest": out.digest}
-    if p.variants:  # a sweep: every variant side by side
-        markdown, rows = sweeps.comparison(p.variants, outputs, runs)
-        create_markdown_artifact(markdown=markdown, key="sweep-comparison",
-                                 description=f"{pipeline}: {len(rows)} variants, their overrides, final metrics and held-out curves")
-        summary["sweep"] = rows
-    passed = all(r.passed for r in gated)
-    _publish_summary(pipeline, outputs, runs, gated, result if passed else None)
-    for r in gated:
-        (logger_info if r.passed else get_run_logger().error)(f"gate {r.gate.owner}: {r.line()}")
-    gates.check(gated)
-    if result is not None:
-        summary["pipeline_result"] = {"stage": result, **summary[result]}
     return summary
+
+
+def _publish_sweep(p: Plan, pipeline: str, outputs: dict[str, Any], runs: dict[str, StageRun], failed: dict[str, str],
+                   metrics: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The sweep comparison as an artifact and as files under the output root; its rows, best variant and files."""
+    comp = sweeps.comparison(p.variants, outputs, runs, failed, p.select, lambda name: metrics.get(name, {}))
+    files = sweeps.write_files(Path(p.recipe.output_root) / f"sweep-{p.recipe.name}", comp)
+    plot = data_uri(Path(files["plot"]).read_bytes()) if "plot" in files else None
+    create_markdown_artifact(markdown=sweeps.markdown(comp, plot) + f"\nFiles: `{files['markdown']}`", key="sweep-comparison",
+                             description=f"{pipeline}: {len(comp['rows'])} variants, the best first, their overrides, final "
+                                         "metrics and held-out curves")
+    best = comp["best"]
+    print(f"[full-rlhf] sweep: {files['markdown']}" + (f"; best: {sweeps.label(next(v for v in p.variants if v['label'] == best))} "
+                                                      f"({best})" if best else ""))
+    return {"rows": comp["rows"], "best": best, "files": files}
 
 
 def logger_info(message: str) -> None:
@@ -122,67 +148,100 @@ def check_refresh(p: Plan, refresh: list[str], pipeline: str) -> None:
             raise RecipeError(f"--refresh: no stage named {name!r} in {pipeline}{did_you_mean(name, names)} (its stages: {names})")
 
 
-def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun] | None = None) -> dict[str, CheckpointRef | EvalReport]:
+def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun] | None = None,
+             failed: dict[str, str] | None = None) -> dict[str, CheckpointRef | EvalReport]:
     """Run a checked plan's stages in order as cached tasks; ``refresh``: stage names (or True: all) to rerun.
 
     Each stage's identity (:meth:`StageSpec.identify`: config, input digests, file digests, code version)
     is computed once here; it is the task's cache key and names the stage's run folder. Every file is
-    hashed once per flow run."""
-    import concurrent.futures
-
-    logger = get_run_logger()
+    hashed once per flow run. In a sweep a failing stage fails its own branch only: it and the stages
+    downstream of it go into ``failed`` (name -> why) and the others run on; otherwise the first failure raises."""
     outputs: dict[str, CheckpointRef | EvalReport] = {}
+    failed = {} if failed is None else failed
     # a sweep's sweep.max_concurrent > 1: stages are submitted as their inputs finish, at most that many running
     limit = p.recipe.sweep.max_concurrent if p.recipe.sweep is not None else 1
-    running: dict[str, Any] = {}  # stage name -> its task's future
-
-    def finished(name: str) -> None:
-        if name in running:
-            outputs[name] = running.pop(name).result()  # a failed stage raises here, as a direct call would
-
+    scheduler = Scheduler(limit, outputs, failed, keep_going=bool(p.variants))
     with remembered_hashes():
         for st in p.stages:
-            for dep in {x for v in st.spec.inputs.values() for x in (v if isinstance(v, list) else [v])}:
-                finished(dep)
+            deps = sorted({x for v in st.spec.inputs.values() for x in (v if isinstance(v, list) else [v])})
+            scheduler.wait_for(deps)
+            blocked = [d for d in deps if d in failed]
+            if blocked:
+                failed[st.spec.name] = f"not run: its input {blocked[0]!r} failed"
+                continue
             inputs, run = st.identify(outputs)
             if runs is not None:
                 runs[st.spec.name] = run
             force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
-            skip_cache, cached = force, "none" if force else cached_result(run.key, run.run_dir)
-            if cached == "elsewhere":  # not an error: this root's output of the identity is picked up, or made, here
-                logger.info(f"{st.spec.name}: the cached output of this identity is under another output root; this "
-                            f"run's is {run.run_dir}")
-                skip_cache = True
-            elif cached == "stale":
-                logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")
-                force = skip_cache = True
-            elif cached == "unsafe":  # not read; the committed checkpoint of the same identity still counts
-                logger.warning(f"{st.spec.name}: the cached result under {run.key} is not a JSON record (a pickle?); "
-                               "moved aside unread (.refused)")
-                skip_cache = True
-            pool = st.spec.work_pool  # a stage on a work pool of its own: its flow run there, waited for
-            task = (run_stage_on_pool if pool else run_stage).with_options(
-                name=f"stage-{st.spec.stage}",
-                task_run_name=st.spec.name,
-                retries=st.spec.retries,
-                retry_delay_seconds=st.spec.retry_delay_seconds,
-                # Prefect's own deadline is a backstop: the stage's subprocess tree is ended by the launcher first
-                timeout_seconds=st.spec.timeout_s + 60 if st.spec.timeout_s else None,
-                refresh_cache=skip_cache or None,
-            )
-            where = {"pool": pool, "job_variables": st.spec.job_variables} if pool else {}
-            args = (st.spec.name, run, st.config.model_dump(mode="json"), inputs)
-            if limit == 1:
-                outputs[st.spec.name] = task(*args, reuse=not force, timeout_s=st.spec.timeout_s, **where)
-                continue
-            while len(running) >= limit:  # wait for one to finish
-                concurrent.futures.wait([f.wrapped_future for f in running.values()], return_when=concurrent.futures.FIRST_COMPLETED)
-                for name in [n for n, f in running.items() if f.wrapped_future.done()]:
-                    finished(name)
-            running[st.spec.name] = task.submit(*args, reuse=not force, timeout_s=st.spec.timeout_s, **where)
-        for name in list(running):
-            finished(name)
-    return {st.spec.name: outputs[st.spec.name] for st in p.stages}
+            task, force = stage_task(st, run, force)
+            where = {"pool": st.spec.work_pool, "job_variables": st.spec.job_variables} if st.spec.work_pool else {}
+            scheduler.start(st.spec.name, task, (st.spec.name, run, st.config.model_dump(mode="json"), inputs),
+                            dict(reuse=not force, timeout_s=st.spec.timeout_s, **where))
+        scheduler.wait_for(list(scheduler.running))
+    return {st.spec.name: outputs[st.spec.name] for st in p.stages if st.spec.name in outputs}
+
+
+def stage_task(st, run: StageRun, force: bool):
+    """The stage's task with its retries and deadline, and the cache decision: refresh it when forced, when the
+    cached output is under another output root, gone or altered, or when the cached record is not JSON; and whether
+    the run folder's own output is passed over too (forced, or stale)."""
+    logger = get_run_logger()
+    skip_cache, cached = force, "none" if force else cached_result(run.key, run.run_dir)
+    if cached == "elsewhere":  # not an error: this root's output of the identity is picked up, or made, here
+        logger.info(f"{st.spec.name}: the cached output of this identity is under another output root; this "
+                    f"run's is {run.run_dir}")
+        skip_cache = True
+    elif cached == "stale":
+        logger.warning(f"{st.spec.name}: the cached output no longer verifies (deleted or altered); rerunning")
+        force = skip_cache = True
+    elif cached == "unsafe":  # not read; the committed checkpoint of the same identity still counts
+        logger.warning(f"{st.spec.name}: the cached result under {run.key} is not a JSON record (a pickle?); "
+                       "moved aside unread (.refused)")
+        skip_cache = True
+    return (run_stage_on_pool if st.spec.work_pool else run_stage).with_options(
+        name=f"stage-{st.spec.stage}",
+        task_run_name=st.spec.name,
+        retries=st.spec.retries,
+        retry_delay_seconds=st.spec.retry_delay_seconds,
+        # Prefect's own deadline is a backstop: the stage's subprocess tree is ended by the launcher first
+        timeout_seconds=st.spec.timeout_s + 60 if st.spec.timeout_s else None,
+        refresh_cache=skip_cache or None,
+    ), force
+
+
+class Scheduler:
+    """Runs the stage tasks, one at a time (``limit`` 1: each called directly) or up to ``limit`` at once (submitted
+    as their inputs finish). ``keep_going``: a failed stage is recorded in ``failed`` (name -> its one-line error)
+    instead of raised."""
+
+    def __init__(self, limit: int, outputs: dict[str, Any], failed: dict[str, str], keep_going: bool):
+        self.limit, self.outputs, self.failed, self.keep_going = limit, outputs, failed, keep_going
+        self.running: dict[str, Any] = {}  # stage name -> its task's future
+
+    def start(self, name: str, task, args: tuple, kwargs: dict) -> None:
+        if self.limit == 1:
+            self._settle(name, lambda: task(*args, **kwargs))
+            return
+        import concurrent.futures
+
+        while len(self.running) >= self.limit:  # wait for one to finish
+            concurrent.futures.wait([f.wrapped_future for f in self.running.values()], return_when=concurrent.futures.FIRST_COMPLETED)
+            self.wait_for([n for n, f in self.running.items() if f.wrapped_future.done()])
+        self.running[name] = task.submit(*args, **kwargs)
+
+    def wait_for(self, names: list[str]) -> None:
+        for name in names:
+            if name in self.running:
+                self._settle(name, self.running.pop(name).result)  # a failed stage raises here, as a direct call would
+
+    def _settle(self, name: str, result) -> None:
+        try:
+            self.outputs[name] = result()
+        except Exception as e:
+            if not self.keep_going:
+                raise
+            self.failed[name] = str(e)
+            get_run_logger().error(f"{name}: failed; the sweep's other variants run on ({e})")
 
 
 def report_key(name: str) -> str:

@@ -89,6 +89,7 @@ class Plan:
     stages: list[PlannedStage] = field(default_factory=list)
     gates: list = field(default_factory=list)  # flows.gates.Gate, every stage's, in stage order
     variants: list[dict[str, Any]] = field(default_factory=list)  # a sweep's (flows.sweeps.expand)
+    select: Any = None  # a sweep's flows.sweeps.SelectConfig: what names the best variant (None: nothing does)
 
 
 def plan(source: str | Path, output_root: str | None = None, stage_overrides: dict[str, dict[str, Any]] | None = None,
@@ -105,6 +106,7 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
     recipe = _recipe(data, source, output_root, cluster_address)
     _check_override_names(recipe, stage_overrides or {}, source)
     out = Plan(recipe)
+    original = recipe
     if recipe.sweep is not None:
         from flows.sweeps import expand
 
@@ -119,7 +121,33 @@ def plan_data(data: dict[str, Any], source: str, output_root: str | None = None,
         out.stages.append(planned)
         produced[spec.name] = planned.output
     out.gates = _plan_gates(out.stages, source)
+    if out.variants:
+        out.select = _plan_select(original, out, source)
     return out
+
+
+def _plan_select(original: PipelineRecipe, p: Plan, source: str):
+    """The sweep's selection metric (``sweep.select``, else the first gate's left side), checked: a metric its stage
+    logs, of a stage the sweep copies (a stage shared by every variant can't tell them apart)."""
+    from flows.gates import parse
+    from flows.sweeps import renamed_ref, result_of, selection
+
+    types = {s.name: s.stage for s in original.stages}
+    first = [parse(text, s.name, types) for s in original.stages for text in s.gates][:1]
+    select = selection(original.sweep, first)
+    if select is None:
+        return None
+    where = f"{source}: sweep.select.metric {select.metric!r}"
+    variant = p.variants[0]
+    try:
+        gate = parse(f"{select.metric} >= 0", "sweep", types)
+    except RecipeError as e:
+        raise RecipeError(f"{source}: sweep.select.metric: {e}") from None
+    if result_of(select, variant) == result_of(select, {"stages": {}}):
+        raise RecipeError(f"{where}: names stage {result_of(select, variant)!r}, which the sweep does not copy (every variant "
+                          f"shares it); name a swept stage or one downstream of it (copied: {', '.join(variant['stages'])})")
+    _check_metric(renamed_ref(gate.left, variant), {s.spec.name: s for s in p.stages}, where)
+    return select
 
 
 def _recipe(data: dict[str, Any], source: str, output_root: str | None, cluster_address: str | None) -> PipelineRecipe:

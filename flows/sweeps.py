@@ -15,16 +15,33 @@ run again comes back Cached, and after one variant failed a rerun retrains that 
 ends, :func:`comparison` is one markdown artifact: every variant's overrides and final metrics (its swept stages'
 last ``metrics.jsonl`` row and its eval reports) in a table, and the held-out curves of every variant on common
 axes.
+
+The comparison names the winner: ``sweep.select`` (``{metric: eval.rl.accuracy, mode: max}``; default: the left side
+of the first gate, ``max``) ranks the variants, the table is sorted by it with the best marked, variants are labelled
+by their overrides (``advantage_estimator=rloo``) in the table and the plot (a line style each), and the pipeline's
+result is the selected variant's copy of the stage the metric belongs to (an eval metric's: the model it names).
+The same table, plot and rows are written as ``comparison.md``, ``comparison.png`` and ``comparison.json`` under
+``<output_root>/sweep-<pipeline name>/``. A variant whose stage failed is marked failed (its downstream stages are
+skipped, the other variants run to the end); the flow fails after publishing, naming it.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+import json
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.common.recipe import RecipeError
+
+
+class SelectConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    metric: str = Field(description="<stage>.<metric> or <eval>.<model>.<metric>, in the recipe's own stage names (e.g. eval.rl.accuracy)")
+    mode: Literal["max", "min"] = Field("max", description="max: the highest value wins; min: the lowest")
 
 
 class SweepConfig(BaseModel):
@@ -33,6 +50,7 @@ class SweepConfig(BaseModel):
     grid: dict[str, list[Any]] = Field({}, description="<stage>.<dotted key> -> the values to try; every combination is a variant")
     variants: list[dict[str, Any]] = Field([], description="each a mapping <stage>.<dotted key> -> value (instead of grid)")
     max_concurrent: int = Field(1, ge=1, description="how many stages of the pipeline may run at once while it sweeps (each as its inputs finish); 1: one after the other")
+    select: SelectConfig | None = Field(None, description="the metric that names the best variant (the pipeline's result); None: the first gate's left side, max")
 
     @model_validator(mode="after")
     def _one_form(self) -> SweepConfig:
@@ -96,43 +114,122 @@ def _renamed(gate: str, rename: dict[str, str]) -> str:
     return re.sub(r"\b([a-z][\w-]*)\.", lambda m: f"{rename.get(m[1], m[1])}.", gate)
 
 
-def comparison(variants: list[dict[str, Any]], outputs: dict[str, Any], runs: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-    """The sweep's comparison as markdown (a table, then the held-out curves of every variant on common axes) and its
-    rows: per variant, its overrides, each swept-or-downstream stage's final metrics and its eval reports' metrics."""
-    from flows.curves import data_uri, load_rows
+def label(variant: dict[str, Any]) -> str:
+    """A variant by its overrides, each key's last part: ``advantage_estimator=rloo, lr=3e-05``."""
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={val}" for kv in variant["overrides"].values() for k, val in kv.items())
 
+
+def renamed_ref(ref: str, variant: dict[str, Any]) -> str:
+    """A metric reference in the recipe's names (``eval.rl.accuracy``) as the variant's copies name it."""
+    stage, *rest = ref.split(".")
+    if len(rest) == 2:
+        rest[0] = variant["stages"].get(rest[0], rest[0])
+    return ".".join([variant["stages"].get(stage, stage), *rest])
+
+
+def selection(sweep: SweepConfig, gates: list) -> SelectConfig | None:
+    """``sweep.select``, else the first gate's left side (in the recipe's names), highest wins; None without either."""
+    if sweep.select is not None:
+        return sweep.select
+    return SelectConfig(metric=gates[0].left) if gates else None
+
+
+def result_of(select: SelectConfig, variant: dict[str, Any]) -> str:
+    """The variant's stage that is the pipeline's result: the one the metric belongs to (an eval metric's: its model)."""
+    stage, *rest = select.metric.split(".")
+    original = rest[0] if len(rest) == 2 else stage
+    return variant["stages"].get(original, original)
+
+
+def comparison(variants: list[dict[str, Any]], outputs: dict[str, Any], runs: dict[str, Any], failed: dict[str, str] | None = None,
+               select: SelectConfig | None = None, metric_of=None) -> dict[str, Any]:
+    """The sweep's comparison: ``rows`` (per variant: label, overrides, status, the selection metric's value, each
+    swept-or-downstream stage's final metrics and its eval reports' metrics), sorted best first (failed variants
+    last), ``best`` (the winner's label, or None), ``curves`` (held-out accuracy per variant) and ``keys`` (the
+    columns shown). ``metric_of(stage name) -> {metric: value}``: what gates read of a finished stage."""
+    failed = failed or {}
     rows, curves = [], {}
     for v in variants:
-        row: dict[str, Any] = {"variant": v["label"], "overrides": ", ".join(f"{s}.{k}={val}" for s, kv in v["overrides"].items()
-                                                                                for k, val in kv.items())}
-        for original, name in v["stages"].items():
-            out = outputs.get(name)
-            if out is None:
-                continue
-            if hasattr(out, "metrics") and not hasattr(out, "digest"):  # an eval report: {model label: {metric: value}}
-                for model, ms in out.metrics.items():
-                    for k, val in ms.items():
-                        if isinstance(val, int | float):
-                            row[f"{original}.{model.replace('-' + v['label'], '')}.{k}"] = val
-                continue
-            logged = load_rows(runs[name].run_dir / "metrics.jsonl")
-            steps = [r for r in logged if r.get("step", 0) > 0]
-            if steps:
-                for k, val in steps[-1].items():
-                    if isinstance(val, int | float) and not k.endswith("_s") and k != "step":
-                        row[f"{original}.{k}"] = val
-            held = [(r["step"], r[k]) for r in logged for k in r if k.startswith("eval_") and "accuracy" in k]
-            if held:
-                curves[f"{v['label']} {original}"] = held
+        row, held = _variant_row(v, outputs, runs, failed)
+        if select is not None and row["status"] == "ok" and metric_of is not None:
+            stage, metric = renamed_ref(select.metric, v).split(".", 1)
+            row["selected"] = metric_of(stage).get(metric)
         rows.append(row)
-    keys = sorted({k for r in rows for k in r} - {"variant", "overrides"}, key=lambda k: (not _headline(k), k))[:12]
-    lines = ["### Sweep: every variant", "", "| variant | overrides | " + " | ".join(keys) + " |",
-             "|---|---|" + "---|" * len(keys)]
+        curves.update({f"{row['label']} ({original})": points for original, points in held.items()})
+    ranked = [r for r in rows if r.get("selected") is not None]
+    ranked.sort(key=lambda r: r["selected"], reverse=select is None or select.mode == "max")
+    rest = [r for r in rows if r not in ranked]
+    rows = ranked + sorted(rest, key=lambda r: r["status"] != "ok")
+    best = ranked[0]["variant"] if ranked else None
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['overrides']} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |")
-    if curves:
-        lines += ["", f"![held-out curves]({data_uri(_plot(curves))})"]
-    return "\n".join(lines) + "\n", rows
+        r["best"] = r["variant"] == best
+    keys = sorted({k for r in rows for k in r} - {"variant", "label", "overrides", "status", "selected", "best"},
+                  key=lambda k: (not _headline(k), k))[:12]
+    return {"rows": rows, "best": best, "curves": curves, "keys": keys,
+            "select": None if select is None else select.model_dump()}
+
+
+def _variant_row(v: dict[str, Any], outputs: dict[str, Any], runs: dict[str, Any], failed: dict[str, str]) -> tuple[dict, dict]:
+    """One variant's row (status: ok, or which of its stages failed and why) and its held-out curves by stage."""
+    from flows.curves import load_rows
+
+    row: dict[str, Any] = {"variant": v["label"], "label": label(v),
+                           "overrides": ", ".join(f"{s}.{k}={val}" for s, kv in v["overrides"].items() for k, val in kv.items())}
+    broken = [f"{name}: {failed[name]}" for name in v["stages"].values() if name in failed]
+    row["status"] = "ok" if not broken else "failed (" + "; ".join(broken) + ")"
+    held: dict[str, list] = {}
+    for original, name in v["stages"].items():
+        out = outputs.get(name)
+        if out is None:
+            continue
+        if hasattr(out, "metrics") and not hasattr(out, "digest"):  # an eval report: {model label: {metric: value}}
+            row.update({f"{original}.{model.replace('-' + v['label'], '')}.{k}": val for model, ms in out.metrics.items()
+                        for k, val in ms.items() if isinstance(val, int | float)})
+            continue
+        logged = load_rows(runs[name].run_dir / "metrics.jsonl")
+        steps = [r for r in logged if r.get("step", 0) > 0]
+        if steps:
+            row.update({f"{original}.{k}": val for k, val in steps[-1].items()
+                        if isinstance(val, int | float) and not k.endswith("_s") and k != "step"})
+        points = [(r["step"], r[k]) for r in logged for k in r if k.startswith("eval_") and "accuracy" in k]
+        if points:
+            held[original] = points
+    return row, held
+
+
+def markdown(comp: dict[str, Any], plot: str | None) -> str:
+    """The comparison as a markdown table (best first, marked) and the plot (``plot``: its address)."""
+    keys, select = comp["keys"], comp["select"]
+    head = f"### Sweep: {len(comp['rows'])} variants"
+    if select:
+        head += f", ranked by `{select['metric']}` ({select['mode']})"
+        head += f"; best: **{_row_of(comp, comp['best'])['label']}** ({comp['best']})" if comp["best"] else "; no variant has it"
+    metric = [f"{select['metric']}"] if select else []
+    lines = [head, "", "| variant | overrides | status | " + " | ".join(metric + keys) + " |", "|---|---|---|" + "---|" * (len(metric) + len(keys))]
+    for r in comp["rows"]:
+        name = f"**{r['label']}** (best, {r['variant']})" if r["best"] else f"{r['label']} ({r['variant']})"
+        cells = ([_fmt(r.get("selected"))] if select else []) + [_fmt(r.get(k)) for k in keys]
+        lines.append(f"| {name} | {r['overrides']} | {r['status']} | " + " | ".join(cells) + " |")
+    if plot:
+        lines += ["", f"![held-out curves]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def _row_of(comp: dict[str, Any], variant: str) -> dict[str, Any]:
+    return next(r for r in comp["rows"] if r["variant"] == variant)
+
+
+def write_files(folder: Path, comp: dict[str, Any]) -> dict[str, str]:
+    """``comparison.md`` (its plot beside it), ``comparison.png`` (when there are curves) and ``comparison.json`` in
+    ``folder``; their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": folder / "comparison.md", "json": folder / "comparison.json"}
+    if comp["curves"]:
+        paths["plot"] = folder / "comparison.png"
+        paths["plot"].write_bytes(plot(comp["curves"]))
+    paths["markdown"].write_text(markdown(comp, "comparison.png" if comp["curves"] else None))
+    paths["json"].write_text(json.dumps({k: v for k, v in comp.items() if k != "curves"} | {"curves": comp["curves"]}, indent=1))
+    return {k: str(v) for k, v in paths.items()}
 
 
 def _headline(key: str) -> bool:
@@ -143,7 +240,12 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _plot(curves: dict[str, list[tuple[int, float]]]) -> bytes:
+STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "x")
+
+
+def plot(curves: dict[str, list[tuple[int, float]]]) -> bytes:
+    """The held-out curves, a line style and marker per variant (equal curves stay visible)."""
     import io
 
     import matplotlib
@@ -152,9 +254,9 @@ def _plot(curves: dict[str, list[tuple[int, float]]]) -> bytes:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=72)
-    for name, points in curves.items():
+    for i, (name, points) in enumerate(curves.items()):
         xs, ys = zip(*sorted(points), strict=True)
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)], label=name, alpha=0.85)
     ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy")
     ax.legend(fontsize=8)

@@ -277,42 +277,65 @@ def _summary_markdown(state) -> str:
     return arts[0].data
 
 
-def test_a_sweep_of_three_rl_variants_trains_sft_once_and_publishes_one_comparison(results, task_files):
-    """sweep.grid over rl.algo.advantage_estimator: base and SFT run once, three RL copies (rl-v0..v2) each with its
-    estimator; one comparison artifact (read back through Prefect's API) with a row per variant and the held-out
-    curves; the same sweep again comes back Cached throughout."""
+def test_a_sweep_runs_every_variant_a_failing_one_alone_fails_and_the_comparison_names_the_best(results, task_files):
+    """Three RL variants (sweep.variants) from one SFT, each evaluated: base and SFT run once; max_concurrent 2 trains
+    two variants at once, never three. The third variant's reward raises at its first step (not at planning's dry
+    call, which scores two rows): only its branch fails (no eval-v2), the other variants' evals run, the comparison
+    (an artifact and comparison.md/.png/.json under the output root) marks v2 failed and ranks the others by
+    sweep.select, best first; the flow then fails naming rl-v2. The sweep without v2: every stage Cached, the run
+    passes and its result is the best variant's RL checkpoint."""
+    reward = results / "flaky_reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    if len(queries) > 2:\n"
+                      "        raise RuntimeError('the grading service is down')\n    return [0.0] * len(queries)\n")
     recipe = write_pipeline(results / "pipeline.yaml", task_files, results / "runs")
     data = yaml.safe_load(recipe.read_text())
     data["stages"].append({"name": "rl", "stage": "rl", "recipe": "recipes/rl/tiny.yaml", "inputs": {"policy": "sft"}, "overrides": {
         "data.paths": [str(task_files["rl_prompts"])], "eval_data.paths": [str(task_files["eval"])], "eval_steps": 0,
         "rollout.rollout_batch_size": 8, "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 6,
         "train.train_batch_size": 16, "train.micro_train_batch_size": 16, "max_steps": 2, "train.progress_bar": False}})
-    estimators = ["group_norm", "rloo", "reinforce_baseline"]
-    data["sweep"] = {"grid": {"rl.algo.advantage_estimator": estimators}, "max_concurrent": 2}
+    data["stages"].append({"name": "eval", "stage": "eval", "recipe": "recipes/eval/tiny.yaml", "inputs": {"models": ["sft", "rl"]},
+                           "overrides": {"data.paths": [str(task_files["eval"])], "data.max_samples": 16, "num_samples": 0,
+                                         "max_new_tokens": 6}})
+    variants = [{"rl.algo.advantage_estimator": "group_norm"}, {"rl.algo.advantage_estimator": "rloo"},
+                {"rl.algo.advantage_estimator": "rloo", "rl.reward.func": str(reward)}]
+    data["sweep"] = {"variants": variants, "max_concurrent": 2, "select": {"metric": "eval.rl.response_length", "mode": "min"}}
     recipe.write_text(yaml.safe_dump(data))
     state, tasks = run_flow(pipeline=str(recipe))
-    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1), **{f"rl-v{i}": ("Completed", 1) for i in range(3)}}
-    # max_concurrent 2: two variants trained at once, never three
-    spans = _task_spans(state, [f"rl-v{i}" for i in range(3)])
+    assert state.is_failed()
+    assert tasks == {"base": ("Completed", 1), "sft": ("Completed", 1), "rl-v2": ("Failed", 1),
+                     **{f"{s}-v{i}": ("Completed", 1) for i in range(2) for s in ("rl", "eval")}}
+    with pytest.raises(Exception, match=r"stage\(s\) of the sweep failed \(rl-v2, eval-v2\); the other variants finished .*"
+                                        r"rl-v2: stage 'rl-v2' \(rl\) failed: .*the grading service is down"):
+        state.result()
+    # max_concurrent 2: two stages trained at once, never three
+    spans = _task_spans(state, ["rl-v0", "rl-v1", "rl-v2"])
     overlapping = [(a, b) for a in spans for b in spans if a < b and spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]]
     assert overlapping and len(overlapping) < 3, spans
-    summary = state.result()
-    rows = summary["sweep"]
-    assert [r["overrides"] for r in rows] == [f"rl.algo.advantage_estimator={e}" for e in estimators]
-    for i, r in enumerate(rows):
-        run_dir = Path(summary[f"rl-v{i}"]["path"]).parent
-        assert json.loads((run_dir / "identity.json").read_text())["config"]["algo"]["advantage_estimator"] == estimators[i]
-        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-        assert r["rl.eval_accuracy"] == last["eval_accuracy"] and r["rl.reward_mean"] == last["reward_mean"]
+    folder = results / "runs" / "sweep-micro"
+    comp = json.loads((folder / "comparison.json").read_text())
+    lengths = {r["variant"]: r["eval.rl.response_length"] for r in comp["rows"] if r["status"] == "ok"}
+    best = min(lengths, key=lengths.get)
+    assert comp["best"] == best and [r["variant"] for r in comp["rows"]][:2] == sorted(lengths, key=lengths.get)
+    assert comp["rows"][2]["variant"] == "v2" and comp["rows"][2]["status"].startswith("failed (rl-v2: ")
+    assert [r["selected"] for r in comp["rows"][:2]] == sorted(lengths.values())
+    assert {r["label"] for r in comp["rows"]} == {"advantage_estimator=group_norm", "advantage_estimator=rloo",
+                                                  f"advantage_estimator=rloo, func={reward}"}
+    md = (folder / "comparison.md").read_text()
+    assert f"**{next(r['label'] for r in comp['rows'] if r['best'])}** (best, {best})" in md and "![held-out curves](comparison.png)" in md
+    assert (folder / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
         (art,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sweep-comparison"])))
-    assert all(f"| v{i} | rl.algo.advantage_estimator={e} |" in art.data for i, e in enumerate(estimators)), art.data[:2000]
-    assert "rl.eval_accuracy" in art.data and "data:image/png;base64," in art.data
+    assert "(v2) | rl.algo.advantage_estimator=rloo, rl.reward.func=" in art.data and "failed (rl-v2" in art.data and "(best, " in art.data and "data:image/png;base64," in art.data
+
+    data["sweep"]["variants"] = variants[:2]
+    recipe.write_text(yaml.safe_dump(data))
     state, tasks = run_flow(pipeline=str(recipe))
-    assert set(tasks.values()) == {("Cached", 1)} and len(tasks) == 5
+    assert state.is_completed() and set(tasks.values()) == {("Cached", 1)} and len(tasks) == 6
+    summary = state.result()
+    assert summary["sweep"]["best"] == best and summary["pipeline_result"] == {"stage": f"rl-{best}", **summary[f"rl-{best}"]}
 
 
 def test_failure_in_a_late_stage_then_rerun_runs_only_that_stage_and_the_ui_shows_curves_report_and_summary(results, task_files, monkeypatch):

@@ -32,3 +32,46 @@ def test_listed_variants_and_bad_sweeps():
         expand(STAGES, SweepConfig(grid={"rlx.train.lr": [1e-5]}), "p.yaml")
     with pytest.raises(ValueError, match="give grid .* or variants"):
         SweepConfig()
+
+
+@pytest.mark.parametrize("select, error", [
+    ({"metric": "sft.loss"}, r"sweep.select.metric 'sft.loss': names stage 'sft', which the sweep does not copy"),
+    ({"metric": "eval.rl.acuracy"}, r"sweep.select.metric 'eval.rl.acuracy': the eval stage 'eval-v0' logs no metric 'acuracy'; "
+                                    r"did you mean 'accuracy'\?"),
+    ({"metric": "rl.eval_accuracy", "mode": "best"}, r"sweep.select.mode"),
+])
+def test_a_sweep_s_selection_metric_is_checked_at_planning(tmp_path, select, error):
+    import yaml
+
+    from flows.pipeline import plan
+    from stages.common.stage import PROJECT_ROOT
+
+    data = yaml.safe_load((PROJECT_ROOT / "recipes/pipelines/sweep.yaml").read_text())
+    data["output_root"] = str(tmp_path)
+    data["sweep"]["select"] = select
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError, match=error):
+        plan(tmp_path / "p.yaml")
+    data["sweep"].pop("select")  # default: the first gate's left side, highest first
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
+    p = plan(tmp_path / "p.yaml")
+    assert (p.select.metric, p.select.mode) == ("eval.rl.accuracy", "max")
+
+
+def test_variants_are_labelled_by_their_overrides_and_ranked_by_the_selection_metric():
+    from flows.sweeps import SelectConfig, comparison, label, markdown
+
+    variants = [{"label": f"v{i}", "overrides": {"rl": {"algo.advantage_estimator": e}}, "stages": {"rl": f"rl-v{i}"}}
+                for i, e in enumerate(["group_norm", "rloo", "reinforce_baseline"])]
+    assert label(variants[1]) == "advantage_estimator=rloo"
+    values = {"rl-v0": 0.25, "rl-v1": 0.5, "rl-v2": 0.125}
+    comp = comparison(variants, {}, {}, {"rl-v2": "stage 'rl-v2' (rl) failed: boom"}, SelectConfig(metric="rl.eval_accuracy"),
+                      lambda name: {"eval_accuracy": values[name]})
+    assert [r["variant"] for r in comp["rows"]] == ["v1", "v0", "v2"] and comp["best"] == "v1"
+    assert [r.get("selected") for r in comp["rows"]] == [0.5, 0.25, None]  # a failed variant is not ranked
+    md = markdown(comp, None)
+    assert "best: **advantage_estimator=rloo** (v1)" in md and "| **advantage_estimator=rloo** (best, v1) |" in md
+    assert "| advantage_estimator=reinforce_baseline (v2) | rl.algo.advantage_estimator=reinforce_baseline | failed (rl-v2: stage" in md
+    low = comparison(variants[:2], {}, {}, {}, SelectConfig(metric="rl.eval_accuracy", mode="min"),
+                     lambda name: {"eval_accuracy": values[name]})
+    assert low["best"] == "v0"
