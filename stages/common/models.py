@@ -12,14 +12,21 @@ LATEST = "latest:"
 def resolve_model(spec: str, output_root: str) -> CheckpointRef:
     """``tiny:<preset>`` builds the embedded tiny model; ``latest:<stage>`` is the most recently committed output
     of that stage under ``output_root`` (e.g. ``latest:sft``: no run hash to copy; the resolved checkpoint's digest
-    is what enters the run identity); anything else is a checkpoint folder, an HF model folder or a hub id
-    (imported into the store under a manifest)."""
+    is what enters the run identity), ``latest:<stage>@<another output root>`` the same under that root (verified
+    by digest, used where it is: nothing copied); anything else is a checkpoint folder, an HF model folder or a hub
+    id (imported into the store under a manifest)."""
     if spec.startswith("tiny:"):
         from stages.common.tiny import TinyModelConfig, run_tiny_model
 
         return run_tiny_model(TinyModelConfig(preset=spec.removeprefix("tiny:"), output_root=output_root))
     if spec.startswith(LATEST):
-        return latest_output(spec.removeprefix(LATEST), output_root)
+        stage, _, root = spec.removeprefix(LATEST).partition("@")
+        if root and not Path(root).expanduser().is_dir():
+            from checkpoints import CheckpointError
+
+            raise CheckpointError(f"{spec}: {Path(root).expanduser().resolve()} is not a folder (expected an output root "
+                                  f"holding <stage>-<key>/checkpoint folders)")
+        return latest_output(stage, str(Path(root).expanduser()) if root else output_root)
     return import_pretrained(spec, output_root)
 
 

@@ -133,6 +133,19 @@ def test_latest_names_the_newest_committed_output_of_a_stage(tmp_path, micro_mod
     config = validate(SPEC.config, {"base": "latest:sft", "data": {"paths": ["p.jsonl"]}, "output_root": str(tmp_path)}, "r.yaml")
     inputs = SPEC.resolve_inputs(config, {})
     assert inputs["policy"].digest == newer.digest
+    # another output root's, by name: latest:<stage>@<root>, verified where it is (nothing copied)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    config = validate(SPEC.config, {"base": f"latest:sft@{tmp_path}", "data": {"paths": ["p.jsonl"]}, "output_root": str(mine)}, "r.yaml")
+    policy = SPEC.resolve_inputs(config, {})["policy"]
+    assert (policy.digest, policy.path) == (newer.digest, newer.path) and list(mine.iterdir()) == []
+    with pytest.raises(CheckpointError, match=rf"latest:sft: no committed sft checkpoint under {mine}"):
+        resolve_model("latest:sft", str(mine))
+    with pytest.raises(CheckpointError, match=r"latest:sft@/nowhere: /nowhere is not a folder"):
+        resolve_model("latest:sft@/nowhere", str(mine))
+    (Path(newer.path) / "model.txt").write_text("tampered")
+    with pytest.raises(CheckpointError):
+        resolve_model(f"latest:sft@{tmp_path}", str(mine))
 
 
 def test_no_signal_metrics_and_their_reason():
