@@ -29,7 +29,7 @@ OUT = ROOT / "bench" / "results" / "cluster.json"
 
 def _start_cluster(folder: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     info = folder / "cluster.json"
-    proc = subprocess.Popen([sys.executable, "-m", "stages.common.local_cluster", "--nodes", "2", "--info", str(info)],
+    proc = subprocess.Popen([sys.executable, "-m", "stages.common.local_cluster", "--nodes", "2", "--info", str(info), "--stdin"],
                             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 180
     while time.time() < deadline:

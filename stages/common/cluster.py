@@ -137,6 +137,13 @@ def private_cluster_env() -> None:
     _ray_settings(single_machine=True)
 
 
+def driver_auth(environ) -> None:
+    """A driver given the cluster's token (``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``) sends it: Ray does only
+    with ``RAY_AUTH_MODE=token``, which is set here unless the user set the mode."""
+    if environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH"):
+        environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def _ray_settings(single_machine: bool) -> None:
     """Ray's node-address mode (single machine: loopback) and its authentication as the environment says now; Ray
     caches both at import, so a process that imported it earlier re-reads them."""
@@ -401,6 +408,7 @@ def join(address: str, ship_code: bool = True, connect_timeout_s: float = 60.0) 
     import ray
 
     host = _check_reachable(address, connect_timeout_s)
+    driver_auth(os.environ)
     _ray_settings(single_machine=host in ("127.0.0.1", "localhost", "::1"))
     runtime_env: dict[str, Any] = {"env_vars": actor_env()}
     if ship_code:

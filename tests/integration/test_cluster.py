@@ -66,7 +66,7 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_AUTH_TOKEN_PATH", None)
     log = open(folder / "cluster.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "stages.common.local_cluster", "--nodes", "2", "--info", str(info),
+    proc = subprocess.Popen([sys.executable, "-m", "stages.common.local_cluster", "--nodes", "2", "--info", str(info), "--stdin",
                              "--node-env", f"node1:RLHF_FAULT_HIDE_PATHS={hidden}"],
                             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 180
@@ -77,6 +77,7 @@ def cluster(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # this process joins as a user's driver: the cluster's token
         mp.setenv(k, env[k])
+    mp.delenv("RAY_AUTH_MODE")  # as the README's shell has it: the token only (join sets the mode)
     mp.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     lc = LocalCluster(data["address"], data["nodes"], data["gcs_pid"], proc, hidden, env, info)
     try:
@@ -282,3 +283,30 @@ def test_a_node_lost_mid_sft_fails_the_stage_naming_it_and_the_rerun_resumes(clu
     assert [r["step"] for r in rows][-2:] == [3, 4]  # resumed after step 2
     expected = _losses(Path(local_sft.path).parent)
     assert max(abs(r["loss"] - expected[r["step"] - 1]) for r in rows) <= 1e-5
+
+
+def test_the_local_cluster_runs_in_the_background_until_stopped(tmp_path):
+    """Started as the README says (in the background, stdin closed), it stays up; ``stop --info`` ends it and every
+    process of it."""
+    info = tmp_path / "c.json"
+    env = {**os.environ, "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env.pop("RAY_AUTH_MODE", None)
+    help_text = subprocess.run([sys.executable, "-m", "stages.common.local_cluster", "--help"], cwd=ROOT, capture_output=True,
+                               text=True).stdout
+    assert "stop --info FILE" in help_text and "SIGTERM" in help_text
+    proc = subprocess.Popen([sys.executable, "-m", "stages.common.local_cluster", "--nodes", "1", "--info", str(info)], cwd=ROOT,
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (info.is_file() and len(json.loads(info.read_text())["nodes"]) == 1):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    ray_procs = psutil.Process(proc.pid).children(recursive=True)
+    time.sleep(3)
+    assert proc.poll() is None  # stdin closed: still up
+    assert ray_procs and json.loads(info.read_text())["pid"] == proc.pid
+    out = subprocess.run([sys.executable, "-m", "stages.common.local_cluster", "stop", "--info", str(info)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and f"stopped (pid {proc.pid})" in out.stdout, out.stderr
+    assert proc.wait(timeout=10) == 0 and "stop: python -m stages.common.local_cluster stop --info" in proc.stdout.read()
+    _, alive = psutil.wait_procs(ray_procs, timeout=30)
+    assert alive == [], [p.cmdline() for p in alive]

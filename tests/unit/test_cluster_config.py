@@ -61,3 +61,13 @@ def test_an_address_nothing_listens_on_is_refused_at_once():
     assert time.time() - start < 5
     with pytest.raises(ClusterError, match="expected the address of a running Ray cluster's head"):
         join("not-an-address")
+
+
+def test_a_driver_with_the_cluster_s_token_sends_it():
+    from stages.common.cluster import driver_auth
+
+    for given, mode in [({"RAY_AUTH_TOKEN": "t"}, "token"), ({"RAY_AUTH_TOKEN_PATH": "/x"}, "token"),
+                        ({"RAY_AUTH_TOKEN": "t", "RAY_AUTH_MODE": "disabled"}, "disabled"), ({}, None)]:
+        env = dict(given)
+        driver_auth(env)
+        assert env.get("RAY_AUTH_MODE") == mode
