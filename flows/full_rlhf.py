@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from checkpoints import CheckpointRef, remembered_hashes
 from flows import gates, sweeps
+from flows.console import VERBOSE_ENV
 from flows.curves import artifact_key, data_uri, prefect_key
 from flows.pipeline import PROJECT_ROOT, Plan, plan
 from flows.tasks import StageError, cached_result, run_stage, run_stage_on_pool
@@ -312,7 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cluster", default=None, metavar="ADDRESS",
                     help="run every training stage on the existing Ray cluster at ADDRESS (auto, host:port, ray://host:port)")
     ap.add_argument("--debug", action="store_true", help=f"show tracebacks (also {DEBUG_ENV}=1)")
+    ap.add_argument("--verbose", action="store_true", help="every stage's whole output on the console (vLLM, Ray, DeepSpeed); "
+                    "without it, in <run folder>/task/stage.log (also RLHF_VERBOSE=1 or LOG_LEVEL=DEBUG)")
     args = ap.parse_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
     debug = args.debug or take_debug([])
     refresh = [s for s in args.refresh.split(",") if s]
     with one_line_errors(PROG, debug):

@@ -31,6 +31,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 
 from checkpoints import CheckpointError, CheckpointRef, verify
+from flows.console import StageConsole, verbose
 from flows.curves import Curves
 from stages import registry
 from stages.common.identity import metrics_file
@@ -202,6 +203,8 @@ def execute_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict
     title = f"{name} ({run.stage}): training steps done"
     artifact = create_progress_artifact(0.0, description=title)
     done = threading.Event()
+    log = None if verbose() else folder / "stage.log"  # quiet: the stage's own output to its log file (flows.console)
+    console = StageConsole(name, log) if log else None
 
     def publish(pct: float, summary: str) -> None:
         update_progress_artifact(artifact, pct, description=f"{title}; {summary}" if summary else title)
@@ -213,6 +216,8 @@ def execute_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict
             if now[0] is not None and now != last:
                 publish(*now)
                 last = now
+            if console is not None:
+                console.update(*now)
             _update_curves(curves)
 
     # the task run's context travels with the thread: what it publishes belongs to this task and flow run
@@ -220,14 +225,17 @@ def execute_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict
     watcher.start()
     try:
         out = launch("flows.tasks:stage_job", job, 1, folder, timeout_s=timeout_s,
-                     env={"RLHF_PROGRESS_FILE": str(progress_file.resolve())})
+                     env={"RLHF_PROGRESS_FILE": str(progress_file.resolve())}, output=log)
     except StageFailed as e:  # the stage's traceback once, in this task's log; the error itself is one line
-        print(f"[{name}] {run.stage} failed:\n{e}")
+        print(f"[{name}] {run.stage} failed:\n{e}" + (f"\n(its whole output: {log})" if log else ""))
         raise StageError(f"stage {name!r} ({run.stage}) failed: {last_line(str(e))} (its traceback is in the log above "
                          f"and in {folder}/rank0.error)") from None
     finally:
         done.set()
         watcher.join()
+        if console is not None:
+            console.update(*read_progress(progress_file))
+            console.close()
         _update_curves(curves, final=True)  # a failed stage still shows what it logged
     publish(100.0, read_progress(progress_file)[1])
     result = spec.result.model_validate(out)

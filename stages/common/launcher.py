@@ -127,11 +127,13 @@ def _wait(procs: list[subprocess.Popen], target: str, run_dir: Path, timeout_s: 
 
 
 def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout_s: float | None = None,
-           env: dict[str, str] | None = None, cluster: ClusterConfig | None = None, inputs: Sequence[str] = ()) -> dict:
+           env: dict[str, str] | None = None, cluster: ClusterConfig | None = None, inputs: Sequence[str] = (),
+           output: Path | None = None) -> dict:
     """Run ``target`` (``module:function(job, rank, world_size) -> dict``) on ``world_size`` ranks: local processes,
     or with ``cluster.address`` Ray actors on that cluster (``inputs``: the paths every node must see).
 
-    ``env`` adds variables to the ranks' environment.
+    ``env`` adds variables to the ranks' environment; ``output``: a file for rank 0's output (stdout and stderr),
+    instead of the caller's.
     Returns rank 0's result. Raises :class:`StageFailed` with the failing rank's traceback.
     """
     run_dir = Path(run_dir)
@@ -145,21 +147,21 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
 
         run_ranks(target, job_path, run_dir, world_size, cluster, list(inputs), timeout_s, env)
     else:
-        _run_local(target, job_path, world_size, run_dir, timeout_s, env)
+        _run_local(target, job_path, world_size, run_dir, timeout_s, env, output)
     result = run_dir / "result.json"
     return json.loads(result.read_text()) if result.is_file() else {}
 
 
 def _run_local(target: str, job_path: Path, world_size: int, run_dir: Path, timeout_s: float | None,
-               env: dict[str, str] | None) -> None:
+               env: dict[str, str] | None, output: Path | None = None) -> None:
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs = []
     try:
         for rank in range(world_size):
-            log = open(run_dir / "logs" / f"rank{rank}.log", "w")
+            log = open(output if rank == 0 and output else run_dir / "logs" / f"rank{rank}.log", "w")
             logs.append(log)
-            out = None if rank == 0 else log  # rank 0 prints to the caller's output
+            out = None if rank == 0 and not output else log  # rank 0 prints to the caller's output, or to ``output``
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", worker.__name__, target, str(job_path), str(run_dir)],
                 env={**rank_env(rank, world_size, port), **(env or {})}, cwd=os.getcwd(), stdout=out,
