@@ -58,27 +58,42 @@ def full_rlhf(
     runs: dict[str, StageRun] = {}
     failed: dict[str, str] = {}
     outputs = run_plan(p, refresh=set(refresh), runs=runs, failed=failed)
-    metrics = {name: gates.stage_metrics(out, runs[name].run_dir) for name, out in outputs.items()
-               if any(name == r.split(".")[0] for g in p.gates for r in g.refs()) or p.select is not None}
+    metrics = _metrics(p, outputs, runs)
     gated = gates.evaluate([g for g in p.gates if g.owner not in failed], metrics)  # a failed variant's gates: not run
-    result = gates.result_stage(p.gates, [s.spec.name for s in p.stages], {s.spec.name: s.spec.stage for s in p.stages})
     summary = _stage_summary(outputs)
+    result = gates.result_stage(p.gates, [s.spec.name for s in p.stages], {s.spec.name: s.spec.stage for s in p.stages})
     if p.variants:  # a sweep: every variant side by side, the best named; the result is the best variant's
         summary["sweep"] = _publish_sweep(p, pipeline, outputs, runs, failed, metrics)
-        best = summary["sweep"]["best"]
-        result = sweeps.result_of(p.select, next(v for v in p.variants if v["label"] == best)) if best else result
+        result = _best_result(p, summary["sweep"]["best"]) or result
     passed = all(r.passed for r in gated) and not failed
     _publish_summary(pipeline, outputs, runs, gated, result if passed else None)
     for r in gated:
         (logger_info if r.passed else get_run_logger().error)(f"gate {r.gate.owner}: {r.line()}")
-    if failed:
-        first = next(n for n in failed if n in runs)
-        raise StageError(f"{len([n for n in failed if n in runs])} stage(s) of the sweep failed ({', '.join(failed)}); the "
-                         f"other variants finished and the comparison is published. {first}: {failed[first]}")
+    _raise_failed(failed, runs)
     gates.check(gated)
     if result is not None:
         summary["pipeline_result"] = {"stage": result, **summary[result]}
     return summary
+
+
+def _metrics(p: Plan, outputs: dict[str, Any], runs: dict[str, StageRun]) -> dict[str, dict[str, float]]:
+    """What gates (and a sweep's selection) read of each finished stage they name (a sweep: of every stage)."""
+    named = {r.split(".")[0] for g in p.gates for r in g.refs()}
+    return {name: gates.stage_metrics(out, runs[name].run_dir) for name, out in outputs.items()
+            if name in named or p.select is not None}
+
+
+def _best_result(p: Plan, best: str | None) -> str | None:
+    """The best variant's copy of the stage its selection metric belongs to (None: no variant was ranked)."""
+    return sweeps.result_of(p.select, next(v for v in p.variants if v["label"] == best)) if best else None
+
+
+def _raise_failed(failed: dict[str, str], runs: dict[str, StageRun]) -> None:
+    """A sweep whose stages failed fails, after everything else ran, naming them and the first one's error."""
+    ran = [n for n in failed if n in runs]  # the others were not run: an input of theirs failed
+    if ran:
+        raise StageError(f"{len(ran)} stage(s) of the sweep failed ({', '.join(failed)}); the other variants finished and "
+                         f"the comparison is published. {ran[0]}: {failed[ran[0]]}")
 
 
 def _stage_summary(outputs: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +179,7 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
     scheduler = Scheduler(limit, outputs, failed, keep_going=bool(p.variants))
     with remembered_hashes():
         for st in p.stages:
-            deps = sorted({x for v in st.spec.inputs.values() for x in (v if isinstance(v, list) else [v])})
+            deps = wired(st.spec)
             scheduler.wait_for(deps)
             blocked = [d for d in deps if d in failed]
             if blocked:
@@ -173,13 +188,17 @@ def run_plan(p: Plan, refresh: set[str] | bool = False, runs: dict[str, StageRun
             inputs, run = st.identify(outputs)
             if runs is not None:
                 runs[st.spec.name] = run
-            force = refresh is True or (isinstance(refresh, set) and st.spec.name in refresh)
-            task, force = stage_task(st, run, force)
+            task, force = stage_task(st, run, refresh is True or st.spec.name in (refresh or ()))
             where = {"pool": st.spec.work_pool, "job_variables": st.spec.job_variables} if st.spec.work_pool else {}
             scheduler.start(st.spec.name, task, (st.spec.name, run, st.config.model_dump(mode="json"), inputs),
                             dict(reuse=not force, timeout_s=st.spec.timeout_s, **where))
         scheduler.wait_for(list(scheduler.running))
     return {st.spec.name: outputs[st.spec.name] for st in p.stages if st.spec.name in outputs}
+
+
+def wired(spec) -> list[str]:
+    """The stages a pipeline stage's inputs name."""
+    return sorted({x for v in spec.inputs.values() for x in (v if isinstance(v, list) else [v])})
 
 
 def stage_task(st, run: StageRun, force: bool):
@@ -298,11 +317,22 @@ def _artifact_ids() -> dict[str, Any]:
     return {a.key: a.id for a in arts if a.key}
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-    import json
-
+def parse_sets(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--set STAGE.KEY=VALUE`` items as {stage: {key: value}} (values read as YAML)."""
     import yaml
+
+    overrides: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, _, raw = item.partition("=")
+        stage, _, field = key.partition(".")
+        if not field or "=" not in item:
+            raise RecipeError(f"--set {item!r}: expected STAGE.KEY=VALUE (e.g. --set sft.train.max_steps=20)")
+        overrides.setdefault(stage, {})[field] = yaml.safe_load(raw)
+    return overrides
+
+
+def _arguments(argv: list[str] | None):
+    import argparse
 
     ap = argparse.ArgumentParser(prog="python -m flows.full_rlhf", description=__doc__.split("\n")[0])
     ap.add_argument("pipeline", nargs="?", default=DEFAULT_PIPELINE)
@@ -315,19 +345,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--debug", action="store_true", help=f"show tracebacks (also {DEBUG_ENV}=1)")
     ap.add_argument("--verbose", action="store_true", help="every stage's whole output on the console (vLLM, Ray, DeepSpeed); "
                     "without it, in <run folder>/task/stage.log (also RLHF_VERBOSE=1 or LOG_LEVEL=DEBUG)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    args = _arguments(argv)
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
     debug = args.debug or take_debug([])
     refresh = [s for s in args.refresh.split(",") if s]
     with one_line_errors(PROG, debug):
-        overrides: dict[str, dict[str, Any]] = {}
-        for item in args.set:
-            key, _, raw = item.partition("=")
-            stage, _, field = key.partition(".")
-            if not field or "=" not in item:
-                raise RecipeError(f"--set {item!r}: expected STAGE.KEY=VALUE (e.g. --set sft.train.max_steps=20)")
-            overrides.setdefault(stage, {})[field] = yaml.safe_load(raw)
+        overrides = parse_sets(args.set)
         os.chdir(PROJECT_ROOT)
         # the whole recipe (every stage's config, inputs and files) is checked before Prefect's server starts
         p = plan(args.pipeline, output_root=args.output_root, stage_overrides=overrides or None, cluster_address=args.cluster)

@@ -73,39 +73,54 @@ def expand(stages: list, sweep: SweepConfig, source: str) -> tuple[list, list[di
     the variants: {"label", "overrides" ({stage: {key: value}}), "stages" ({original name: the copy's name})}."""
     names = [s.name for s in stages]
     variants = sweep.expanded()
-    swept: set[str] = set()
-    for v in variants:
-        for key in v:
-            stage, _, field = key.partition(".")
-            if stage not in names or not field:
-                raise RecipeError(f"{source}: sweep key {key!r}: expected <stage>.<dotted key> with a stage of the pipeline "
-                                  f"(its stages: {names})")
-            swept.add(stage)
-    copied = set(swept)
-    for s in stages:  # downstream of a swept stage: copied per variant too
-        wired = [x for v in s.inputs.values() for x in (v if isinstance(v, list) else [v])]
-        if any(w in copied for w in wired):
-            copied.add(s.name)
+    copied = _downstream(stages, _swept(variants, names, source))
     order = {n: i for i, n in enumerate(names)}
     placed = [(order[s.name], -1, s) for s in stages if s.name not in copied]  # every copy where its original was
     described = []
     for i, v in enumerate(variants):
         label = f"v{i}"
         rename = {n: f"{n}-{label}" for n in names if n in copied}
-        overrides: dict[str, dict[str, Any]] = {}
-        for key, value in v.items():
-            stage, _, field = key.partition(".")
-            overrides.setdefault(stage, {})[field] = value
-        for s in stages:
-            if s.name not in copied:
-                continue
-            inputs = {k: ([rename.get(x, x) for x in w] if isinstance(w, list) else rename.get(w, w)) for k, w in s.inputs.items()}
-            gates = [_renamed(g, rename) for g in s.gates]
-            placed.append((order[s.name], i, s.model_copy(update={
-                "name": rename[s.name], "inputs": inputs, "gates": gates,
-                "overrides": {**s.overrides, **overrides.get(s.name, {})}})))
+        overrides = _by_stage(v)
+        placed += [(order[s.name], i, _copy(s, rename, overrides.get(s.name, {}))) for s in stages if s.name in copied]
         described.append({"label": label, "overrides": overrides, "stages": rename})
     return [s for *_, s in sorted(placed, key=lambda t: t[:2])], described
+
+
+def _swept(variants: list[dict[str, Any]], names: list[str], source: str) -> set[str]:
+    """The stages the variants' keys name (each key checked: <stage>.<dotted key> of a stage of the pipeline)."""
+    swept: set[str] = set()
+    for key in (k for v in variants for k in v):
+        stage, _, field = key.partition(".")
+        if stage not in names or not field:
+            raise RecipeError(f"{source}: sweep key {key!r}: expected <stage>.<dotted key> with a stage of the pipeline "
+                              f"(its stages: {names})")
+        swept.add(stage)
+    return swept
+
+
+def _downstream(stages: list, swept: set[str]) -> set[str]:
+    """``swept`` and every stage wired (directly or through others) to one of them: copied per variant."""
+    copied = set(swept)
+    for s in stages:
+        if any(w in copied for v in s.inputs.values() for w in (v if isinstance(v, list) else [v])):
+            copied.add(s.name)
+    return copied
+
+
+def _by_stage(variant: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{<stage>.<key>: value} as {stage: {key: value}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in variant.items():
+        stage, _, field = key.partition(".")
+        out.setdefault(stage, {})[field] = value
+    return out
+
+
+def _copy(s, rename: dict[str, str], overrides: dict[str, Any]):
+    """A variant's copy of stage ``s``: renamed, its inputs and gates rewired to the variant's copies, its overrides."""
+    inputs = {k: ([rename.get(x, x) for x in w] if isinstance(w, list) else rename.get(w, w)) for k, w in s.inputs.items()}
+    return s.model_copy(update={"name": rename[s.name], "inputs": inputs, "gates": [_renamed(g, rename) for g in s.gates],
+                                "overrides": {**s.overrides, **overrides}})
 
 
 def _renamed(gate: str, rename: dict[str, str]) -> str:
@@ -147,20 +162,16 @@ def comparison(variants: list[dict[str, Any]], outputs: dict[str, Any], runs: di
     swept-or-downstream stage's final metrics and its eval reports' metrics), sorted best first (failed variants
     last), ``best`` (the winner's label, or None), ``curves`` (held-out accuracy per variant) and ``keys`` (the
     columns shown). ``metric_of(stage name) -> {metric: value}``: what gates read of a finished stage."""
-    failed = failed or {}
     rows, curves = [], {}
     for v in variants:
-        row, held = _variant_row(v, outputs, runs, failed)
+        row, held = _variant_row(v, outputs, runs, failed or {})
         if select is not None and row["status"] == "ok" and metric_of is not None:
             stage, metric = renamed_ref(select.metric, v).split(".", 1)
             row["selected"] = metric_of(stage).get(metric)
         rows.append(row)
         curves.update({f"{row['label']} ({original})": points for original, points in held.items()})
-    ranked = [r for r in rows if r.get("selected") is not None]
-    ranked.sort(key=lambda r: r["selected"], reverse=select is None or select.mode == "max")
-    rest = [r for r in rows if r not in ranked]
-    rows = ranked + sorted(rest, key=lambda r: r["status"] != "ok")
-    best = ranked[0]["variant"] if ranked else None
+    rows = _ranked(rows, select)
+    best = rows[0]["variant"] if rows and rows[0].get("selected") is not None else None
     for r in rows:
         r["best"] = r["variant"] == best
     keys = sorted({k for r in rows for k in r} - {"variant", "label", "overrides", "status", "selected", "best"},
@@ -169,10 +180,15 @@ def comparison(variants: list[dict[str, Any]], outputs: dict[str, Any], runs: di
             "select": None if select is None else select.model_dump()}
 
 
+def _ranked(rows: list[dict[str, Any]], select: SelectConfig | None) -> list[dict[str, Any]]:
+    """The rows with a selection value, best first; then the others (the failed ones last)."""
+    ranked = sorted((r for r in rows if r.get("selected") is not None), key=lambda r: r["selected"],
+                    reverse=select is None or select.mode == "max")
+    return ranked + sorted((r for r in rows if r.get("selected") is None), key=lambda r: r["status"] != "ok")
+
+
 def _variant_row(v: dict[str, Any], outputs: dict[str, Any], runs: dict[str, Any], failed: dict[str, str]) -> tuple[dict, dict]:
     """One variant's row (status: ok, or which of its stages failed and why) and its held-out curves by stage."""
-    from flows.curves import load_rows
-
     row: dict[str, Any] = {"variant": v["label"], "label": label(v),
                            "overrides": ", ".join(f"{s}.{k}={val}" for s, kv in v["overrides"].items() for k, val in kv.items())}
     broken = [f"{name}: {failed[name]}" for name in v["stages"].values() if name in failed]
@@ -183,18 +199,31 @@ def _variant_row(v: dict[str, Any], outputs: dict[str, Any], runs: dict[str, Any
         if out is None:
             continue
         if hasattr(out, "metrics") and not hasattr(out, "digest"):  # an eval report: {model label: {metric: value}}
-            row.update({f"{original}.{model.replace('-' + v['label'], '')}.{k}": val for model, ms in out.metrics.items()
-                        for k, val in ms.items() if isinstance(val, int | float)})
+            row.update(_report_cells(original, out.metrics, v["label"]))
             continue
-        logged = load_rows(runs[name].run_dir / "metrics.jsonl")
-        steps = [r for r in logged if r.get("step", 0) > 0]
-        if steps:
-            row.update({f"{original}.{k}": val for k, val in steps[-1].items()
-                        if isinstance(val, int | float) and not k.endswith("_s") and k != "step"})
-        points = [(r["step"], r[k]) for r in logged for k in r if k.startswith("eval_") and "accuracy" in k]
+        cells, points = _training_cells(original, runs[name].run_dir / "metrics.jsonl")
+        row.update(cells)
         if points:
             held[original] = points
     return row, held
+
+
+def _report_cells(original: str, metrics: dict[str, dict[str, Any]], variant: str) -> dict[str, Any]:
+    """An eval report's numbers as ``<eval>.<model>.<metric>``, the models by their names in the recipe."""
+    return {f"{original}.{model.replace('-' + variant, '')}.{k}": val for model, ms in metrics.items()
+            for k, val in ms.items() if isinstance(val, int | float)}
+
+
+def _training_cells(original: str, path: Path) -> tuple[dict[str, Any], list[tuple[int, float]]]:
+    """A training stage's last step's metrics (timings left out) as ``<stage>.<metric>``, and its held-out
+    accuracy curve."""
+    from flows.curves import load_rows
+
+    logged = load_rows(path)
+    steps = [r for r in logged if r.get("step", 0) > 0]
+    last = steps[-1] if steps else {}
+    cells = {f"{original}.{k}": val for k, val in last.items() if isinstance(val, int | float) and not k.endswith("_s") and k != "step"}
+    return cells, [(r["step"], r[k]) for r in logged for k in r if k.startswith("eval_") and "accuracy" in k]
 
 
 def markdown(comp: dict[str, Any], plot: str | None) -> str:
