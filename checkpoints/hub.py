@@ -97,24 +97,18 @@ def import_pretrained(name_or_path: str | Path, store_root: str | Path) -> Check
     elif str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
         raise CheckpointError(f"{name_or_path}: no such model folder (looked for {src.resolve()})")
     else:
-        from huggingface_hub import snapshot_download
+        src, origin = _fetch(str(name_or_path))
+    return _stored(src, origin, Path(store_root))
 
-        repo_id, _, revision = str(name_or_path).partition("@")  # org/name or org/name@<branch|tag|commit>
-        sha = hub_commit(repo_id, revision or None)
-        try:
-            fetched = Path(snapshot_download(repo_id=repo_id, revision=sha, allow_patterns=list(_ALLOW),
-                                             cache_dir=hub_cache(), local_files_only=hub_offline()))
-        except Exception as e:  # gone from the cache, unreachable, bad id: one message naming what was asked for
-            raise CheckpointError(f"{name_or_path}: the hub model at commit {sha} could not be fetched "
-                                  f"({type(e).__name__}: {e})") from e
-        _check_model_folder(fetched)
-        src, origin = fetched, f"hub:{repo_id}@{sha}"
+
+def _stored(src: Path, origin: str, store_root: Path) -> CheckpointRef:
+    """The import of model folder ``src`` (from ``origin``) under ``store_root``: committed once, then found."""
     taken = [p for p in sorted(src.iterdir()) if p.is_file() and any(p.match(pat) for pat in _ALLOW)]
     # the import is named by where it came from and by what it holds: a folder edited in place is imported again
     content = content_digest({p.name: sha256_file(p) for p in taken})
     key = hashlib.sha256(f"{origin}\0{content}".encode()).hexdigest()[:12]
     name = origin.removeprefix("hub:").partition("@")[0].rsplit("/", 1)[-1] if origin.startswith("hub:") else src.name
-    dest = Path(store_root) / f"import-{name}-{key}"
+    dest = store_root / f"import-{name}-{key}"
     if (dest / MANIFEST).is_file():
         return load_ref(dest)
     with staging(dest) as tmp:
@@ -122,6 +116,22 @@ def import_pretrained(name_or_path: str | Path, store_root: str | Path) -> Check
             shutil.copy2(p, tmp / p.name)
         kind = "reward" if _is_reward_config(tmp / "config.json") else "full"
         return commit(tmp, dest, stage="import", kind=kind, config_hash=key, extra={"origin": origin})
+
+
+def _fetch(name: str) -> tuple[Path, str]:
+    """A hub model (``org/name`` or ``org/name@<branch|tag|commit>``) fetched at the commit it resolves to: its
+    snapshot folder and its origin ``hub:org/name@<sha>``."""
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = name.partition("@")
+    sha = hub_commit(repo_id, revision or None)
+    try:
+        fetched = Path(snapshot_download(repo_id=repo_id, revision=sha, allow_patterns=list(_ALLOW),
+                                         cache_dir=hub_cache(), local_files_only=hub_offline()))
+    except Exception as e:  # gone from the cache, unreachable, bad id: one message naming what was asked for
+        raise CheckpointError(f"{name}: the hub model at commit {sha} could not be fetched ({type(e).__name__}: {e})") from e
+    _check_model_folder(fetched)
+    return fetched, f"hub:{repo_id}@{sha}"
 
 
 def _is_reward_config(config_path: Path) -> bool:

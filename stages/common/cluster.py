@@ -71,11 +71,8 @@ def ray_get_together(groups: list[tuple[str, list]], timeout_s: float, setting: 
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            late = "; ".join(f"{what.partition('.')[0]} rank(s) {[i for r, (w, i, _) in where.items() if w == what and r in pending]} "
-                             f"of {n} to {what.partition('.')[2]}" for what, n in {w: n for w, _, n in where.values()}.items()
-                             if any(where[r][0] == what for r in pending))
-            raise CallTimeout(f"{stage}: no answer within {timeout_s:g} s ({setting}) from {late}; stopping the stage and "
-                              "its Ray cluster")
+            raise CallTimeout(f"{stage}: no answer within {timeout_s:g} s ({setting}) from {_late(where, pending)}; stopping "
+                              "the stage and its Ray cluster")
         for ref in ready:
             try:
                 ray.get(ref)
@@ -85,6 +82,14 @@ def ray_get_together(groups: list[tuple[str, list]], timeout_s: float, setting: 
                 first = (str(e).strip().splitlines() or [""])[0]
                 raise ActorFailed(f"{stage}: {role} rank {i} of {n} failed during {method}: {type(e).__name__}: {first}") from e
     return [ray.get(refs) for _, refs in groups]
+
+
+def _late(where: dict, pending: list) -> str:
+    """The calls still pending, by role: ``learner rank(s) [1] of 2 to train; ...``."""
+    still = set(pending)
+    groups = {w: n for w, _, n in where.values()}
+    return "; ".join(f"{what.partition('.')[0]} rank(s) {[i for r, (w, i, _) in where.items() if w == what and r in still]} "
+                     f"of {n} to {what.partition('.')[2]}" for what, n in groups.items() if any(where[r][0] == what for r in still))
 
 
 @dataclass(frozen=True)

@@ -342,14 +342,7 @@ def fit(
         lr = engine.get_lr()[0]
         batches = ({k: v.to(device()) for k, v in collate([items[i] for i in micro]).items()} for micro in schedule.micro_batches(step, rank))
         metrics = _optimizer_step(engine, batches, loss_fn, train.accumulation_steps * world_size / norm, world_size, norm)
-        elapsed = time.perf_counter() - t0
-        grad_norm = engine.get_global_grad_norm()
-        metrics.update(
-            lr=lr,
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            tokens_per_s=metrics.pop("tokens") / elapsed,  # positions processed, padding included
-            step_time_s=elapsed,
-        )
+        _add_step_metrics(metrics, engine, lr, time.perf_counter() - t0)
         if evaluate is not None and ((eval_steps and (step + 1) % eval_steps == 0) or step + 1 == total_steps):
             metrics.update(_evaluated(engine, evaluate))
         if best is not None:
@@ -361,6 +354,17 @@ def fit(
     bar.close()
     writer.close()
     return history
+
+
+def _add_step_metrics(metrics: dict[str, float], engine, lr: float, elapsed: float) -> None:
+    """What every step logs beside its loss function's metrics (``stages.common.stage_run.FIT_METRICS``)."""
+    grad_norm = engine.get_global_grad_norm()
+    metrics.update(
+        lr=lr,
+        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+        tokens_per_s=metrics.pop("tokens") / elapsed,  # positions processed, padding included
+        step_time_s=elapsed,
+    )
 
 
 class Best:

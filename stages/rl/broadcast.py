@@ -132,24 +132,33 @@ def named_weights(model, is_peft: bool, zero3: bool) -> Iterator[tuple[str, torc
         inside = None
         if lora_layer is not None and isinstance(module, lora_layer):
             inside = name
-            params = list(module.parameters())
-            seen.update(id(p) for p in params)
-            with gather(params):
-                layer = module.get_base_layer()
-                weight = layer.weight
-                for adapter in module.active_adapters:
-                    weight = weight + module.get_delta_weight(adapter)
-                yield f"{name}.weight", weight
-                if getattr(layer, "bias", None) is not None:
-                    yield f"{name}.bias", layer.bias
+            seen.update(id(p) for p in module.parameters())
+            yield from _merged(name, module, gather)
             continue
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-        if not own:
-            continue
         seen.update(id(p) for _, p in own)
-        with gather([p for _, p in own]):
-            for n, p in own:
-                yield (f"{name}.{n}" if name else n), p
+        yield from _own(name, own, gather)
+
+
+def _own(name: str, own: list, gather: Callable) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's own parameters (not its submodules'), gathered meanwhile."""
+    if not own:
+        return
+    with gather([p for _, p in own]):
+        for n, p in own:
+            yield (f"{name}.{n}" if name else n), p
+
+
+def _merged(name: str, module, gather: Callable) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA layer's base weight with every active adapter merged into it (and its bias), gathered meanwhile."""
+    with gather(list(module.parameters())):
+        layer = module.get_base_layer()
+        weight = layer.weight
+        for adapter in module.active_adapters:
+            weight = weight + module.get_delta_weight(adapter)
+        yield f"{name}.weight", weight
+        if getattr(layer, "bias", None) is not None:
+            yield f"{name}.bias", layer.bias
 
 
 def weight_meta(model, is_peft: bool, zero3: bool, dtype: str) -> list[tuple[str, list[int], str]]:
