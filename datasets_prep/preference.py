@@ -300,3 +300,21 @@ def sequence_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch
     weights = values * batch["loss_mask"].to(values.dtype)
     seg = batch["segment_ids"].clamp(min=0).flatten()
     return torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, seg, weights.flatten())
+
+
+def pair_inputs(config, model_path: str, stage: str) -> tuple[list, list, PrepReport]:
+    """A preference stage's (RM, DPO: ``config.data``, ``config.eval_data``, ``config.train``) data in the caller's
+    process, before any rank starts: the training pairs (packed with ``data.packing``), checked to fit the batch
+    sizes; the held-out pairs; the data report."""
+    from transformers import AutoTokenizer
+
+    from datasets_prep.packing import check_batch_sizes
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pairs, report = prepare_pairs(config.data, tokenizer)
+    eval_pairs = prepare_pairs(config.eval_data, tokenizer)[0] if config.eval_data else []
+    items = pack_pairs(pairs, config.data.max_len) if config.data.packing else pairs
+    train = config.train
+    check_batch_sizes(train.train_batch_size, train.micro_train_batch_size, train.world_size, len(items), ", ".join(config.data.paths))
+    print(f"[{stage}] data: {report.summary()}; {len(eval_pairs)} eval pairs")
+    return items, eval_pairs, report

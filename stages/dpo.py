@@ -29,10 +29,9 @@ from datasets_prep.loading import DataConfig
 from datasets_prep.preference import (
     collate_pairs,
     num_pairs,
-    pack_pairs,
+    pair_inputs,
     pair_items_from_json,
     pairs_of,
-    prepare_pairs,
     sequence_sums,
 )
 from stages.common.config import (
@@ -48,7 +47,6 @@ from stages.common.logprobs import token_logps
 from stages.common.preference_losses import PolicyPair, dpo_loss
 from stages.common.stage import ADAPTER, POLICY, Input, StageRun, StageSpec, print_result, trained_output
 from stages.common.stage_run import (
-    check_data_fits,
     read_items,
     total_steps,
     train_and_commit,
@@ -96,20 +94,13 @@ class DPOConfig(StageConfig):
 def run_dpo(config: DPOConfig, policy: CheckpointRef, reference: CheckpointRef | None = None, *,
             run: StageRun | None = None) -> CheckpointRef:
     """Train ``policy`` against ``reference`` (default: the starting policy) on preference pairs."""
-    from transformers import AutoTokenizer
-
     run = SPEC.identify(config, {"policy": policy, "reference": reference}, run)
     verify(policy)
     require_kind(policy, ("full",), "the DPO policy")
     if reference is not None:
         verify(reference)
         require_kind(reference, ("full",), "the DPO reference model")
-    tokenizer = AutoTokenizer.from_pretrained(policy.path)
-    pairs, report = prepare_pairs(config.data, tokenizer)
-    eval_pairs = prepare_pairs(config.eval_data, tokenizer)[0] if config.eval_data else []
-    items = pack_pairs(pairs, config.data.max_len) if config.data.packing else pairs
-    check_data_fits(config.train, len(items), config.data.paths)
-    print(f"[dpo] data: {report.summary()}")
+    items, eval_pairs, report = pair_inputs(config, policy.path, STAGE)
     return train_and_commit(
         run=run,
         config=config,

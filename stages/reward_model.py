@@ -28,9 +28,8 @@ from datasets_prep.preference import (
     PairExample,
     collate_pairs,
     num_pairs,
-    pack_pairs,
+    pair_inputs,
     pair_items_from_json,
-    prepare_pairs,
 )
 from stages.common.config import (
     PAIR_DATA_UNUSED,
@@ -54,7 +53,6 @@ from stages.common.stage import (
     trained_output,
 )
 from stages.common.stage_run import (
-    check_data_fits,
     read_items,
     total_steps,
     train_and_commit,
@@ -82,18 +80,11 @@ class RewardModelConfig(StageConfig):
 
 def run_reward_model(config: RewardModelConfig, base: CheckpointRef, *, run: StageRun | None = None) -> CheckpointRef:
     """Train a reward model from ``base`` (a causal LM); returns a ``reward`` (or ``adapter``) checkpoint."""
-    from transformers import AutoTokenizer
-
     run = SPEC.identify(config, {"base": base}, run)
     verify(base)
     require_kind(base, ("full",), "the reward model's starting model")
     reward_loss(config.loss)
-    tokenizer = AutoTokenizer.from_pretrained(base.path)
-    pairs, report = prepare_pairs(config.data, tokenizer)
-    eval_pairs = prepare_pairs(config.eval_data, tokenizer)[0] if config.eval_data else []
-    items = pack_pairs(pairs, config.data.max_len) if config.data.packing else pairs
-    check_data_fits(config.train, len(items), config.data.paths)
-    print(f"[reward_model] data: {report.summary()}; {len(eval_pairs)} eval pairs")
+    items, eval_pairs, report = pair_inputs(config, base.path, STAGE)
     return train_and_commit(
         run=run,
         config=config,

@@ -166,7 +166,7 @@ def tree(model: type[BaseModel], indent: int = 0, prefix: str = "", hidden: froz
 def find_field(model: type[BaseModel], dotted: str) -> tuple[str, FieldInfo, type[BaseModel] | None, Any]:
     """The field at ``dotted``: its info, its model when it is a section, and its default; RecipeError with a
     "did you mean" if there is none."""
-    from stages.common.recipe import RecipeError
+    from stages.common.errors import RecipeError
 
     info, current, value = None, model, _NO_VALUE
     for depth, part in enumerate(dotted.split(".")):
@@ -193,7 +193,7 @@ def config_help(model: type[BaseModel], dotted: str | None = None) -> str:
         doc = " ".join((model.__doc__ or "").split())
         return "\n".join(([*textwrap.wrap(doc, 110), ""] if doc else []) + tree(model, hidden=hidden))
     if dotted in hidden:
-        from stages.common.recipe import RecipeError
+        from stages.common.errors import RecipeError
 
         raise RecipeError(f"--help {dotted}: this stage does not read it; {model.UNUSED[dotted]}")
     key, info, sub, value = find_field(model, dotted)

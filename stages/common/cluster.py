@@ -373,7 +373,7 @@ def rank_address() -> tuple[str, int]:
     """Inside an actor: its node's address and a free port there (where a group's rank 0 is met)."""
     import ray
 
-    from stages.common.launcher import free_port
+    from stages.common.errors import free_port
 
     host = ray.util.get_node_ip_address()
     return host, free_port(host)

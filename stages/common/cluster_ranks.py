@@ -26,7 +26,7 @@ from stages.common.cluster import (
     write_placement,
 )
 from stages.common.config import ClusterConfig
-from stages.common.launcher import StageFailed, StageTimeout
+from stages.common.errors import StageFailed, StageTimeout
 
 # after a rank fails with a lost connection, how long to wait for the cluster to tell whether a node left
 NODE_LOSS_GRACE_S = 60.0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,22 +20,8 @@ from pathlib import Path
 
 from stages.common import worker  # each rank's entry point (imported so it is in every stage's code version)
 from stages.common.config import ClusterConfig
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-class StageFailed(RuntimeError):
-    """A rank of a stage failed; the message carries its traceback."""
-
-
-class StageTimeout(StageFailed):
-    """A stage's ranks did not finish within its deadline; the message names the ranks still running."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from stages.common.errors import StageFailed, StageTimeout, free_port  # noqa: F401  (the launcher's errors, as callers know them)
+from stages.common.identity import PROJECT_ROOT
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:

@@ -12,11 +12,9 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from stages.common.errors import RecipeError  # noqa: F401  (where the stages and flows import it from)
+
 T = TypeVar("T", bound=BaseModel)
-
-
-class RecipeError(ValueError):
-    """A recipe file or override is unreadable or does not fit the stage's config."""
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
