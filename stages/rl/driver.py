@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from checkpoints import CheckpointRef, require_kind, staging, verify
+from checkpoints import CheckpointRef, staging
 from checkpoints.state import commit_state, read_json_state, resumable_state, tag_of
 from datasets_prep.loading import DataError, check_prompt_label_row, load_rows
 from stages.common.cluster import CallTimeout, Deadlines, ray_cluster  # noqa: F401  (CallTimeout: the stage's own error)
@@ -49,7 +49,7 @@ from stages.rl.algorithms import ADVANTAGE_ESTIMATORS
 from stages.rl.config import RLConfig
 from stages.rl.experience import KLController, StepPlan, make_experience
 from stages.rl.metrics import PhaseTimer, mean_kl, no_signal_reason, signal_metrics, step_metrics
-from stages.rl.preflight import logged_metrics, plugins, preflight
+from stages.rl.preflight import check_inputs, logged_metrics, plugins, preflight
 from stages.rl.rewards import EpisodeReward, ModelReward, TextReward, text_reward
 from stages.rl.sampler import Rollout, Sampler
 from stages.rl.weight_sync import SyncError, WeightSync  # noqa: F401  (SyncError: the stage's own error)
@@ -68,7 +68,7 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
 
     run = SPEC.identify(config, {"policy": policy, "reward_model": reward_model, "critic": critic}, run)
     plan = StepPlan.of(config)
-    critic_init = _check_inputs(config, plan, policy, reward_model, critic)
+    critic_init = check_inputs(config, plan, policy, reward_model, critic)
     text = None if reward_model is not None or config.rollout.agent else text_reward(config)  # a bad file fails here
     agent, grader = plugins(config)
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
@@ -95,28 +95,6 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
         lora = config.lora.enabled
         return commit_output(run_dir, tmp, config.train.save_best, dict(
             stage=STAGE, kind="adapter" if lora else "full", config_hash=run.key, parent=policy, base=policy if lora else None), summary)
-
-
-def _check_inputs(config: RLConfig, plan: StepPlan, policy: CheckpointRef, reward_model: CheckpointRef | None,
-                  critic: CheckpointRef | None) -> CheckpointRef | None:
-    """Verify the inputs and their kinds; the critic's starting checkpoint (None without a critic)."""
-    for field, given, value in (("reward.model", reward_model, config.reward.model),
-                                ("critic.model", critic if plan.values else True, config.critic.model)):
-        if value and given is None:
-            raise ValueError(f"{field}: {value!r} is named but no checkpoint was passed for it: run_rl takes it as an "
-                             "argument (the stage's CLI and the flows resolve the field into one)")
-    verify(policy)
-    require_kind(policy, ("full",), "the RL policy")
-    if reward_model is not None:
-        verify(reward_model)
-        require_kind(reward_model, ("reward",), "the RL reward model")
-    if not plan.values:
-        return None
-    if critic is not None:
-        verify(critic)
-    start = critic or reward_model or policy
-    require_kind(start, ("full", "reward"), "the critic's starting model")
-    return start
 
 
 class RLLoop:

@@ -4,6 +4,7 @@
 - A reward function is called once (``reward.check_call``, on by default) on two rows of the held-out prompts (else
   the training prompts; local files only: no download at planning) with an empty response: a result of the wrong shape fails at planning, not after Ray and
   vLLM started, and the names of its ``extra_logs`` become metrics a gate may name.
+- :func:`check_inputs` (when the stage starts): the input checkpoints verify and are of the kinds they are used as.
 - :func:`logged_metrics`: every metric a step, the held-out eval and the manifest can hold (``stages.rl.metrics``,
   the learners', the critic's, the sampler's, the phase timings), for gates and ``train.save_best`` to be checked
   against. An agent's info and an endpoint's ``extra_logs`` are known only to the run (``Logged.open``).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from checkpoints import CheckpointRef, require_kind, verify
 from stages.common.stage import Logged, logged
 from stages.rl.config import RLConfig
 
@@ -39,6 +41,28 @@ def plugins(config: RLConfig):
 
         grader = load_grader(config.eval_grader)
     return agent, grader
+
+
+def check_inputs(config: RLConfig, plan, policy: CheckpointRef, reward_model: CheckpointRef | None,
+                  critic: CheckpointRef | None) -> CheckpointRef | None:
+    """Verify the inputs and their kinds; the critic's starting checkpoint (None without a critic)."""
+    for field, given, value in (("reward.model", reward_model, config.reward.model),
+                                ("critic.model", critic if plan.values else True, config.critic.model)):
+        if value and given is None:
+            raise ValueError(f"{field}: {value!r} is named but no checkpoint was passed for it: run_rl takes it as an "
+                             "argument (the stage's CLI and the flows resolve the field into one)")
+    verify(policy)
+    require_kind(policy, ("full",), "the RL policy")
+    if reward_model is not None:
+        verify(reward_model)
+        require_kind(reward_model, ("reward",), "the RL reward model")
+    if not plan.values:
+        return None
+    if critic is not None:
+        verify(critic)
+    start = critic or reward_model or policy
+    require_kind(start, ("full", "reward"), "the critic's starting model")
+    return start
 
 
 def preflight(config: RLConfig) -> None:
@@ -76,8 +100,12 @@ def _dry_rows(config: RLConfig) -> tuple[list[str], list[Any]]:
 
 def dry_call(config: RLConfig, reward) -> dict[str, Any]:
     """The reward function's answer on two rows with an empty response, checked as a step checks it (RewardError
-    naming the function and saying which shapes are accepted); its ``extra_logs`` names, memoized per function."""
-    key = (config.reward.func, str(config.eval_data or config.data))
+    naming the function and saying which shapes are accepted), once per function, its code and its rows."""
+    from stages.common.identity import plugin_digest
+    from stages.common.plugins import source_file
+
+    src = source_file(config.reward.func)  # an edited function (or a helper of it) is called again
+    key = (config.reward.func, plugin_digest(src) if src else "", str(config.eval_data or config.data))
     if key not in _DRY:
         prompts, labels = _dry_rows(config)
         _DRY[key] = reward(list(prompts), prompts, labels)
