@@ -30,7 +30,7 @@ class StageConsole:
 
         self.name, self.log, self.offset = name, log, 0
         self.bar = tqdm(total=100, desc=name, unit="%", file=sys.stderr, dynamic_ncols=True, leave=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} {postfix}")
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}{postfix}")
 
     def update(self, pct: float | None, summary: str = "") -> None:
         if pct is not None:
