@@ -191,11 +191,11 @@ def execute_stage(name: str, run: StageRun, config: dict[str, Any], inputs: dict
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     spec = registry.spec(run.stage)
-    curves = Curves(name, run.stage, lambda: metrics_file(run.run_dir))
     existing = _existing(name, run, spec) if reuse else None
-    if existing is not None:
-        _update_curves(curves, final=True)
+    if existing is not None:  # its curves: the committed record's (not a killed refresh's beside it)
+        _update_curves(Curves(name, run.stage, run.run_dir / "metrics.jsonl"), final=True)
         return existing
+    curves = Curves(name, run.stage, lambda: metrics_file(run.run_dir))  # a refresh's pending record while it runs
     folder = run.prepare() / "task"
     progress_file = folder / "progress.json"
     progress_file.unlink(missing_ok=True)
