@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig, check_prompt_label_row, load_rows
@@ -61,6 +61,12 @@ class EvalConfig(StageConfig):
     reference: str | None = Field(None, description="a reference policy for kl_to_reference, from the CLI; flows pass references")
     output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
     cluster: ClusterConfig = Field(ClusterConfig(), description="cluster.address: each generation and the scoring run as a Ray actor on an existing cluster (a GPU each there)")
+
+    @model_validator(mode="after")
+    def _pass_k_fits(self) -> EvalConfig:  # when the config is read (at planning), not when the eval stage starts
+        if self.num_samples and self.pass_k > self.num_samples:
+            raise ValueError(f"pass_k={self.pass_k} needs num_samples >= pass_k (got num_samples={self.num_samples})")
+        return self
 
 
 class EvalReport(BaseModel):
@@ -106,8 +112,6 @@ def run_eval(
     """Evaluate ``models`` ({label: checkpoint}; a plain list is labelled ``stage:digest[:8]``) and write the report."""
     models = _labelled(models)
     run = SPEC.identify(config, {"models": models, "reward_model": reward_model, "reference": reference}, run)
-    if config.num_samples and config.pass_k > config.num_samples:
-        raise ValueError(f"eval: pass_k={config.pass_k} needs num_samples >= pass_k (got num_samples={config.num_samples})")
     rows = load_rows(config.data, check_prompt_label_row(config.data))
     load_grader(config.grader)  # a bad reference fails here, before any model loads
     for ref, kinds, what in [*((ref, ("full",), "a model to evaluate (merge adapters first)") for ref in models.values()),

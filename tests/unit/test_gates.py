@@ -167,3 +167,16 @@ def test_save_best_on_a_metric_the_stage_does_not_log_is_refused_by_its_cli(tmp_
     assert proc.returncode == 2, proc.stderr
     assert "train.save_best.metric: 'los': the sft stage logs no metric 'los'; did you mean 'loss'?" in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_eval_stage_whose_pass_k_exceeds_its_samples_fails_at_planning(tmp_path):
+    import yaml
+
+    from flows.pipeline import plan
+
+    path = _sweep_with(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["stages"][3]["overrides"] = {"num_samples": 2, "pass_k": 4}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError, match=r"(?s)stages\[\d\] \(eval-v0\).*pass_k=4 needs num_samples >= pass_k \(got num_samples=2\)"):
+        plan(path)
