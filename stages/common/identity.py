@@ -49,8 +49,10 @@ def record_dir(run_dir: Path) -> Path:
 
 
 def metrics_file(run_dir: Path) -> Path:
-    """The metrics being written now (a pending record's while a refresh runs), else the committed ones."""
-    return record_dir(run_dir) / RECORD[0]
+    """The metrics being written now (a pending record's while a refresh runs), else the committed ones (also once a
+    first run committed its checkpoint: its record was written in place)."""
+    pending = run_dir / PENDING_RECORD
+    return (pending if pending.is_dir() else run_dir) / RECORD[0]
 
 
 def commit_record(run_dir: Path) -> None:

@@ -204,3 +204,27 @@ def test_a_plugin_file_s_identity_covers_the_helper_modules_it_imports_from_its_
         assert spec.identify(cfg, {"policy": ref("a")}).key == again
     # and the file runs as written: its folder is where `import helper` looks (BONUS 3.0; parse.answer: the 2nd word)
     assert FuncReward(str(func))(["a 1", "b c"], ["", ""], ["1", "b"])["rewards"].tolist() == [3.0, 0.0]
+
+
+def test_a_run_s_record_is_written_beside_a_committed_one_and_replaces_it_at_commit(tmp_path):
+    from stages.common.identity import commit_record, metrics_file, record_dir
+
+    run_dir = tmp_path / "sft-x"
+    run_dir.mkdir()
+    assert record_dir(run_dir) == run_dir and metrics_file(run_dir) == run_dir / "metrics.jsonl"  # a first run: in place
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "tensorboard").mkdir()
+    (run_dir / "tensorboard" / "events.old").write_text("old")
+    (run_dir / "checkpoint").mkdir()  # committed: its record stays as it is
+    assert metrics_file(run_dir) == run_dir / "metrics.jsonl"  # what the first run wrote, once it committed
+    pending = record_dir(run_dir)
+    assert pending == run_dir / ".record.pending"
+    pending.mkdir()
+    (pending / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (pending / "tensorboard").mkdir()
+    (pending / "tensorboard" / "events.new").write_text("new")
+    assert metrics_file(run_dir) == pending / "metrics.jsonl" and (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    commit_record(run_dir)
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n' and not pending.exists()
+    assert [p.name for p in (run_dir / "tensorboard").iterdir()] == ["events.new"]
+    assert metrics_file(run_dir) == run_dir / "metrics.jsonl"
