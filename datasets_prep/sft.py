@@ -111,16 +111,17 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools)
 
 
-def render_prompt(tokenizer, prompt, config: DataConfig) -> str:
-    """The text a model sees before its response: chat template, input_template or the raw prompt."""
+def render_prompt(tokenizer, prompt, config: DataConfig, tools: list[dict] | None = None) -> str:
+    """The text a model sees before its response: chat template (with ``tools``: their JSON schemas, rendered by
+    the template), input_template or the raw prompt."""
     if isinstance(prompt, list):
-        return _render(tokenizer, prompt, add_generation_prompt=True)
+        return _render(tokenizer, prompt, add_generation_prompt=True, tools=tools)
     if config.apply_chat_template:
-        return _render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return _render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True, tools=tools)
     if config.input_template is not None:
         return config.input_template.format(prompt)
     return prompt

@@ -1,27 +1,55 @@
-"""Multi-turn agents in RL rollouts (OpenRLHF's agent RL): the model acts, an environment answers, in turns.
+"""Multi-turn agents in RL rollouts and eval: the model acts, an environment (and its tools) answer, in turns.
 
-A recipe names an agent file (``rollout.agent: path/to/agent.py``, or ``file.py``/``package.module``) with two
-functions, OpenRLHF's ``AgentInstanceBase`` semantics in plain Python::
+``rollout.agent`` names a file (or module) in one of two shapes.
 
-    def reset(prompt, label) -> (state, observation)
-        # a new episode on a data row; observation: the first user turn's text, or None for the row's prompt
+**OpenRLHF's classes** (a file written for OpenRLHF runs after changing its import line to this module)::
+
+    from stages.rl.agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+    class AgentInstance(AgentInstanceBase):        # one per episode
+        async def reset(self, states):             # {"observation": the prompt's text, "label": ...}
+            return {"observation": states["observation"]}
+        async def step(self, states):              # {"observation_text", "action_text", "label", "sampling_params"}
+            return {"rewards": r, "scores": s, "environment_feedback": text, "done": d,
+                    "sampling_params": states["sampling_params"], "extra_logs": {...}}
+
+    class AgentExecutor(MultiTurnAgentExecutor):
+        def __init__(self):
+            super().__init__(AgentInstance)
+
+or an ``AgentExecutor(AgentExecutorBase)`` whose ``async execute(prompt, label, sampling_params, max_length,
+hf_tokenizer, llm_engine, images=None)`` runs a whole episode, awaiting ``llm_engine.generate(token_ids,
+sampling_params)`` (a vLLM ``RequestOutput``) for each action, and returns OpenRLHF's dict
+(``observation_tokens``, ``action_ranges``, ``rollout_log_probs``, ``reward``, ``scores``, ``extra_logs``).
+Semantics as OpenRLHF's: the episode's reward is the sum of its steps' ``rewards``, its score the last step's
+``scores`` (default: that sum), the last step's ``extra_logs`` are logged, ``environment_feedback`` is appended
+to the context as text (here also a chat message ``{"role", "content"}``, rendered by the chat template), a
+step's ``sampling_params`` sample the next action. Numbers may be floats, ints, one-element lists or tensors.
+
+**Two functions** (sync or ``async def``)::
+
+    def reset(prompt, label) -> (state, observation)   # observation: the first user turn's text, or None
     def step(state, action_text) -> (observation, reward, done) or (observation, reward, done, info)
-        # the model's action (its decoded text); observation: the environment's answer, appended for the next
-        # turn: a str (appended as it is, tokenized) or a chat message {"role": ..., "content": ...} (rendered
-        # by the tokenizer's chat template as the next turn, with the generation prompt after it)
 
-An episode runs until ``done`` or ``rollout.max_turns`` actions (or until the context would leave fewer than
-``max_new_tokens`` of ``max_model_len``). Token in, token out: the trajectory is the prompt's ids, then each
-action's ids exactly as vLLM sampled them, then each observation's ids; the loss mask covers the actions only.
-The episode's reward is the sum of its turns' rewards (an agent discounts by what it returns); its score (what
-counts as success) is ``info["score"]`` when given, else the reward; every other number in the last ``info`` is
-logged as a metric (NaN: not counted, e.g. a second-attempt rate on episodes that needed no second attempt).
+an observation being a str (appended as it is) or a chat message; ``info["score"]`` the score (default: the
+summed rewards), the rest of the last ``info`` logged (NaN: not counted).
+
+Either way an episode runs until done, ``rollout.max_turns`` actions, or until the context would leave fewer than
+``max_new_tokens`` of ``max_model_len`` (the feedback after the last action is not appended). Token in, token
+out: the trajectory is the prompt's ids, each action's ids exactly as vLLM sampled them, each observation's ids;
+the loss covers the actions only. Every episode is its own coroutine (``stages.rl.episodes``); every environment
+call (reset, step, a tool) is awaited under ``rollout.env_timeout_s``; sync ones run in a thread pool.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import inspect
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from copy import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,105 +61,314 @@ class AgentError(ValueError):
     """An agent file that does not load, or a reset/step answer of the wrong shape; the message names both."""
 
 
+class EnvironmentTimeout(AgentError):
+    """An environment call (reset, step, a tool) gave no answer within ``rollout.env_timeout_s``."""
+
+
+# OpenRLHF's contract (openrlhf.utils.agent), the same names and signatures
+
+
+class AgentInstanceBase(ABC):
+    """One episode's environment: ``reset`` once, then ``step`` after every action (OpenRLHF's AgentInstanceBase)."""
+
+    def __init__(self, *args, **kwargs):  # noqa: B027  (OpenRLHF's is abstract; an instance without one is accepted here)
+        pass
+
+    async def reset(self, states: dict, **kwargs):
+        return states
+
+    @abstractmethod
+    async def step(self, states: dict, **kwargs) -> dict:
+        raise NotImplementedError("AgentInstance.step is not implemented")
+
+
+class AgentExecutorBase(ABC):
+    """Runs one whole episode against an engine handle (OpenRLHF's AgentExecutorBase)."""
+
+    @abstractmethod
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None) -> dict:
+        raise NotImplementedError("AgentExecutorBase.execute is not implemented")
+
+
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """A new ``agent_instance_cls()`` per episode, driven turn by turn (:func:`run_episode`)."""
+
+    def __init__(self, agent_instance_cls):
+        if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
+            raise AgentError(f"MultiTurnAgentExecutor({agent_instance_cls!r:.60}): AgentInstance must inherit from AgentInstanceBase")
+        self.agent_instance_cls = agent_instance_cls
+
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None) -> dict:
+        return await run_episode(self.agent_instance_cls(), prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
+
+
+class FunctionAgent(AgentInstanceBase):
+    """The functional form (``reset(prompt, label)``, ``step(state, action_text)``) as an agent instance."""
+
+    def __init__(self, reset, step, prompt):
+        self._reset, self._step, self._prompt, self.state = reset, step, prompt, None
+
+    async def reset(self, states: dict, **kwargs):
+        answer = await call(self._reset, self._prompt, states["label"])
+        if not isinstance(answer, tuple) or len(answer) != 2:
+            raise AgentError(f"returned {answer!r:.80}; expected (state, observation)")
+        self.state, obs = answer
+        if obs is not None and not isinstance(obs, str):
+            raise AgentError(f"the first observation is {obs!r:.80}; expected the prompt's text or None")
+        return {"observation": states["observation"] if obs is None else states["render"](obs)}
+
+    async def step(self, states: dict, **kwargs) -> dict:
+        obs, reward, done, info = check_step_answer(await call(self._step, self.state, states["action_text"]), "")
+        out = {"rewards": reward, "environment_feedback": obs, "done": done or obs is None,
+               "extra_logs": {k: v for k, v in info.items() if k != "score"}}
+        if "score" in info:
+            out["scores"] = info["score"]
+        return out
+
+
+class FunctionAgentExecutor(AgentExecutorBase):
+    def __init__(self, reset, step):
+        self.reset, self.step = reset, step
+
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None) -> dict:
+        instance = FunctionAgent(self.reset, self.step, getattr(llm_engine, "raw_prompt", prompt))
+        return await run_episode(instance, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
+
+
 @dataclass(frozen=True)
 class Agent:
+    """An agent file, loaded: ``executor()`` makes the executor its episodes run with."""
+
     ref: str
-    reset: Callable[[Any, Any], tuple[Any, Any]]
-    step: Callable[[Any, str], tuple]
+    kind: str  # "executor" (an AgentExecutor class), "instance" (an AgentInstance class), "functions"
+    executor: Callable[[], AgentExecutorBase]
 
 
 def load_agent(ref: str) -> Agent:
+    """The agent a file or module defines: an ``AgentExecutor`` class, else an ``AgentInstance`` class, else
+    ``reset``/``step`` functions; anything else is refused naming the shapes accepted."""
     try:
         module = load_module(ref, "rollout.agent", AgentError)
     except PluginError as e:
         raise AgentError(str(e)) from e
+    executor, instance = getattr(module, "AgentExecutor", None), getattr(module, "AgentInstance", None)
+    if executor is not None:
+        if not (isinstance(executor, type) and issubclass(executor, AgentExecutorBase)):
+            raise AgentError(f"rollout.agent {ref}: AgentExecutor must inherit from AgentExecutorBase (or MultiTurnAgentExecutor) "
+                             f"of {__name__}; an OpenRLHF file needs its import line changed to `from {__name__} import ...`")
+        return Agent(ref, "executor", executor)
+    if instance is not None:
+        if not (isinstance(instance, type) and issubclass(instance, AgentInstanceBase)):
+            raise AgentError(f"rollout.agent {ref}: AgentInstance must inherit from AgentInstanceBase of {__name__}")
+        return Agent(ref, "instance", lambda: MultiTurnAgentExecutor(instance))
     funcs = {name: getattr(module, name, None) for name in ("reset", "step")}
     missing = [f"{name}{sig}" for (name, f), sig in zip(funcs.items(), ("(prompt, label)", "(state, action_text)"), strict=True)
                if not callable(f)]
     if missing:
-        raise AgentError(f"rollout.agent {ref}: defines no callable {' or '.join(missing)}")
-    return Agent(ref, funcs["reset"], funcs["step"])
+        raise AgentError(f"rollout.agent {ref}: defines no AgentExecutor or AgentInstance class (OpenRLHF's shape) and no "
+                         f"callable {' or '.join(missing)}")
+    return Agent(ref, "functions", lambda: FunctionAgentExecutor(funcs["reset"], funcs["step"]))
+
+
+# the episode loop
 
 
 @dataclass
-class Episode(Completion):
-    """A finished trajectory as a completion: ``token_ids`` is everything after the prompt, ``action_mask`` 1 on
-    the model's tokens; ``logprobs`` 0.0 on the environment's."""
+class EpisodeSettings:
+    """What bounds an episode (the rollout config's), and its environment's deadline and thread pool."""
 
-    reward: float = 0.0
-    score: float = 0.0
-    turns: int = 0
-    info: dict[str, float] = field(default_factory=dict)
+    max_turns: int = 1_000_000
+    max_new_tokens: int | None = None  # None: the sampling params' max_tokens
+    env_timeout_s: float | None = None
+    tools: Any = None  # stages.rl.tools.Tools
+    parser: Callable[[str], list] | None = None
+    max_tool_calls: int = 0
+    pool: Any = None  # a ThreadPoolExecutor for sync environment calls (None: asyncio's default)
+    where: str = "rollout.agent"
 
 
-@dataclass
-class Trajectory:
-    prompt_ids: list[int]
-    state: Any
-    token_ids: list[int] = field(default_factory=list)
-    action_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    reward: float = 0.0
-    turns: int = 0
-    done: bool = False
-    finish_reason: str | None = None
-    info: dict[str, float] = field(default_factory=dict)
+async def call(fn, *args, timeout_s: float | None = None, what: str = ""):
+    """``fn(*args)``, awaited: a coroutine function directly, a sync function in the current episode's thread
+    pool; under ``timeout_s`` (:class:`EnvironmentTimeout` names ``what``)."""
+    settings = _CURRENT.get(None)
+    if inspect.iscoroutinefunction(fn):
+        aw = fn(*args)
+    else:
+        aw = asyncio.get_running_loop().run_in_executor(settings.pool if settings else None, fn, *args)
+    try:
+        result = await asyncio.wait_for(aw, timeout_s) if timeout_s else await aw
+    except TimeoutError:
+        raise EnvironmentTimeout(f"{what} gave no answer within {timeout_s:g} s (rollout.env_timeout_s)") from None
+    if inspect.isawaitable(result):  # a sync function that returned a coroutine
+        result = await (asyncio.wait_for(result, timeout_s) if timeout_s else result)
+    return result
 
-    @property
-    def context(self) -> list[int]:
-        return self.prompt_ids + self.token_ids
 
-    def act(self, action: Completion) -> None:
-        """Append the model's sampled tokens as they are (in the loss)."""
-        self.token_ids += action.token_ids
-        self.action_mask += [1] * len(action.token_ids)
-        self.logprobs += list(action.logprobs) if action.logprobs is not None else [0.0] * len(action.token_ids)
-        self.finish_reason = action.finish_reason
-        self.turns += 1
+_CURRENT: contextvars.ContextVar[EpisodeSettings] = contextvars.ContextVar("episode_settings")
 
-    def observe(self, ids: list[int]) -> None:
-        """Append the environment's tokens (out of the loss)."""
-        self.token_ids += ids
-        self.action_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
 
-    def episode(self, tokenizer, with_logprobs: bool) -> Episode:
-        score = self.info.get("score", self.reward)
-        info = {k: v for k, v in self.info.items() if k != "score"}
-        return Episode(list(self.prompt_ids), list(self.token_ids), tokenizer.decode(self.token_ids),
-                       list(self.logprobs) if with_logprobs else None, self.finish_reason, list(self.action_mask),
-                       reward=self.reward, score=float(score), turns=self.turns, info=info)
+async def run_episode(instance: AgentInstanceBase | None, prompt: str, label, sampling_params, max_length: int, tok,
+                      engine) -> dict:
+    """One episode (OpenRLHF's ``MultiTurnAgentExecutor.execute`` loop, with tools and this project's bounds):
+    ``instance`` None runs a tools-only episode (it ends when the model answers without a call; the reward
+    function scores it). Returns OpenRLHF's episode dict (with ``finish_reason``; ``reward`` None without an agent)."""
+    s: EpisodeSettings = getattr(engine, "settings", None) or EpisodeSettings()
+    token = _CURRENT.set(s)
+    try:
+        return await _episode(instance, prompt, label, sampling_params, max_length, tok, engine, s)
+    finally:
+        _CURRENT.reset(token)
+
+
+async def _episode(instance, prompt, label, sampling_params, max_length, tok, engine, s: EpisodeSettings) -> dict:
+    from stages.rl.tools import ToolCalls
+
+    max_new = s.max_new_tokens or sampling_params.max_tokens
+    obs = prompt
+    if instance is not None:
+        states = {"observation": prompt, "label": label, "render": getattr(engine, "render", lambda p: p)}
+        answer = await _env(instance.reset, states, s, f"{s.where}: reset")
+        if not isinstance(answer, dict) or not isinstance(answer.get("observation"), str):
+            raise AgentError(f"{s.where}: reset returned {answer!r:.80}; expected {{'observation': str}}")
+        obs = answer["observation"]
+    ids = tok(obs, add_special_tokens=False)["input_ids"]
+    if len(ids) + max_new > max_length:
+        raise AgentError(f"{s.where}: the prompt has {len(ids)} tokens; with max_new_tokens={max_new} that is more than "
+                         f"max_model_len={max_length}")
+    observation_text, ranges, logps = obs, [], []
+    total, score, extra, finish, params = 0.0, None, {}, None, sampling_params
+    tools = ToolCalls(s.tools, s.parser, s.max_tool_calls) if s.tools is not None else None
+    for turn in range(1, s.max_turns + 1):
+        p = copy(params)
+        p.max_tokens = min(max_new, max_length - len(ids))
+        out = (await engine.generate(list(ids), p)).outputs[0]
+        start = len(ids)
+        ids += list(out.token_ids)
+        ranges.append((start, len(ids)))
+        if p.logprobs is not None and out.logprobs is not None:
+            logps += [0.0] * (start - len(logps)) + [d[t].logprob for t, d in zip(out.token_ids, out.logprobs, strict=True)]
+        finish = out.finish_reason
+        calls = tools.parse(out.text) if tools is not None else []
+        if calls:
+            if not tools.allowed(calls):
+                break
+            feedback = await tools.answer(calls, s, f"{s.where}: turn {turn}")
+        elif instance is None:
+            break
+        else:
+            states = {"observation_text": observation_text, "action_text": out.text, "label": label, "sampling_params": params}
+            result = check_step_result(await _env(instance.step, states, s, f"{s.where}: step {turn}"), f"{s.where}: step {turn}")
+            total += result["rewards"]
+            score = result.get("scores", total)
+            extra = result["extra_logs"]
+            if result.get("sampling_params") is not None:
+                params = result["sampling_params"]
+            if result["done"]:
+                break
+            feedback = result.get("environment_feedback") or ""
+        fb = feedback_ids(tok, feedback, f"{s.where}: turn {turn}")
+        if turn == s.max_turns or len(ids) + len(fb) + max_new > max_length:  # no room for another whole action
+            break
+        observation_text += out.text + (feedback if isinstance(feedback, str) else tok.decode(fb))
+        ids += fb
+    if logps:
+        logps += [0.0] * (len(ids) - len(logps))
+    if tools is not None:
+        extra = {**extra, **tools.logs()}
+    return {"prompt": prompt, "label": label, "observation_tokens": ids, "action_ranges": ranges,
+            "rollout_log_probs": logps or None, "reward": total if instance is not None else None,
+            "scores": (total if score is None else score) if instance is not None else None,
+            "extra_logs": extra, "finish_reason": finish}
+
+
+async def _env(method, states: dict, s: EpisodeSettings, what: str):
+    try:
+        return await call(method, states, timeout_s=s.env_timeout_s, what=what)
+    except AgentError as e:
+        if str(e).startswith(what):
+            raise
+        raise type(e)(f"{what}: {str(e).lstrip(': ')}") from e
+    except Exception as e:
+        raise AgentError(f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def feedback_ids(tok, feedback: Any, where: str) -> list[int]:
+    """An observation's token ids: a string tokenized as it is, a chat message (or a list of them) rendered by the
+    chat template as the turn(s) after an ended assistant turn, with the generation prompt."""
+    if isinstance(feedback, str):
+        text = feedback
+    elif isinstance(feedback, dict | list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                    and isinstance(m.get("content"), str)
+                                                    for m in (feedback if isinstance(feedback, list) else [feedback])):
+        text = continuation(tok, feedback if isinstance(feedback, list) else [feedback])
+    else:
+        raise AgentError(f"{where}: the observation is {feedback!r:.80}; expected a str, a chat message "
+                         "{'role': ..., 'content': str} or None")
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def continuation(tok, messages: list[dict]) -> str:
+    """The text the chat template renders for ``messages`` after an ended assistant turn, with the generation
+    prompt after it (a tool's answers, a user's next turn)."""
+    before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    head = tok.apply_chat_template(before, tokenize=False)
+    full = tok.apply_chat_template([*before, *messages], tokenize=False, add_generation_prompt=True)
+    if not full.startswith(head):
+        raise AgentError("rollout.agent: the chat template does not render a conversation as a prefix of its "
+                         "continuation; return observations as strings")
+    return full[len(head):]
 
 
 class ObservationTokens:
-    """An observation's token ids: a string tokenized as it is, a chat message rendered by the chat template as
-    the turn after an ended assistant turn (with the generation prompt)."""
+    """An observation's token ids (:func:`feedback_ids`) for one tokenizer."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
-        self._heads: dict[str, str] = {}
 
     def __call__(self, obs: Any, where: str) -> list[int]:
-        if isinstance(obs, str):
-            text = obs
-        elif isinstance(obs, dict) and isinstance(obs.get("content"), str) and isinstance(obs.get("role"), str):
-            text = self._turn(obs)
-        else:
-            raise AgentError(f"{where}: the observation is {obs!r:.80}; expected a str, a chat message "
-                             "{'role': ..., 'content': str} or None")
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return feedback_ids(self.tok, obs, where)
 
-    def _turn(self, message: dict) -> str:
-        before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        head = self.tok.apply_chat_template(before, tokenize=False)
-        full = self.tok.apply_chat_template([*before, message], tokenize=False, add_generation_prompt=True)
-        if not full.startswith(head):
-            raise AgentError("rollout.agent: the chat template does not render a conversation as a prefix of its "
-                             "continuation; return observations as strings")
-        return full[len(head):]
+
+def number(value: Any, what: str, where: str, nan_ok: bool = False) -> float:
+    """A float from what OpenRLHF accepts: an int or float, a one-element tensor, array or list."""
+    v = value
+    if hasattr(v, "detach"):
+        v = v.detach().cpu()
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    while isinstance(v, list | tuple) and len(v) == 1:
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, int | float) or (not nan_ok and not math.isfinite(v)):
+        raise AgentError(f"{where}: {what} {value!r:.40}; expected a finite number (a float, an int or a one-element tensor)")
+    return float(v)
+
+
+def check_step_result(result: Any, where: str) -> dict:
+    """An AgentInstance's step answer, checked, its numbers as floats."""
+    if not isinstance(result, dict) or "rewards" not in result or "done" not in result:
+        raise AgentError(f"{where}: returned {result!r:.80}; expected a dict with 'rewards', 'done' (and "
+                         "'environment_feedback', 'scores', 'extra_logs', 'sampling_params')")
+    out = dict(result)
+    out["rewards"] = number(result["rewards"], "rewards", where)
+    if result.get("scores") is not None:
+        out["scores"] = number(result["scores"], "scores", where)
+    else:
+        out.pop("scores", None)
+    done = result["done"]
+    if hasattr(done, "item"):
+        done = done.item()
+    if not isinstance(done, bool):
+        raise AgentError(f"{where}: done {result['done']!r:.40}; expected True or False")
+    out["done"] = done
+    logs = result.get("extra_logs") or {}
+    if not isinstance(logs, dict):
+        raise AgentError(f"{where}: extra_logs {logs!r:.80}; expected a dict of metric names to numbers")
+    out["extra_logs"] = {str(k): number(v, f"extra_logs[{k!r}]", where, nan_ok=True) for k, v in logs.items()}
+    return out
 
 
 def check_step_answer(answer: Any, where: str) -> tuple[Any, float, bool, dict[str, float]]:
+    """A functional agent's step answer: (observation, reward, done[, info])."""
     if not isinstance(answer, tuple) or len(answer) not in (3, 4):
         raise AgentError(f"{where}: step returned {answer!r:.80}; expected (observation, reward, done) or "
                          "(observation, reward, done, info)")
@@ -147,84 +384,43 @@ def check_step_answer(answer: Any, where: str) -> tuple[Any, float, bool, dict[s
     return obs, float(reward), done, {k: float(v) for k, v in info.items()}
 
 
-def run_episodes(agent: Agent, generate: Callable[[list[list[int]], int, int], list[list[Completion]]], tokenizer,
-                 render: Callable[[str], list[int]], rows: list[dict], prompt_key: str, label_key: str, n: int,
-                 max_turns: int, max_new_tokens: int, max_model_len: int, seed: int, with_logprobs: bool,
-                 ) -> list[list[Episode]]:
-    """``n`` episodes per row, as groups of :class:`Episode`.
+@dataclass
+class Episode(Completion):
+    """A finished trajectory as a completion: ``token_ids`` is everything after the prompt, ``action_mask`` 1 on
+    the model's tokens; ``logprobs`` 0.0 on the environment's. ``reward`` None: the reward function scores it
+    (a tools-only episode)."""
 
-    ``generate(prompt_ids, n, seed)`` samples ``n`` completions per context (the engines). The first turn samples
-    a group's ``n`` actions from the group's prompt in one request (as single-turn rollouts do); later turns one
-    action per live episode, each from its own context."""
-    trajectories, prompts = [], []
-    for r, row in enumerate(rows):
-        prompt_ids, group = start_group(agent, row, n, render, prompt_key, label_key, f"rollout.agent {agent.ref}: reset on row {r + 1}")
-        prompts.append(prompt_ids)
-        trajectories.append(group)
-    flat = [t for g in trajectories for t in g]
-    step = Stepper(agent, tokenizer, max_turns, max_new_tokens, max_model_len)
-    for turn in range(max_turns):
-        live = [t for t in flat if not t.done]
-        if not live:
-            break
-        for t, action in zip(live, actions_of(generate, live, prompts, n, seed, turn), strict=True):
-            step(t, action, turn)
-    return [[t.episode(tokenizer, with_logprobs) for t in g] for g in trajectories]
+    reward: float | None = 0.0
+    score: float = 0.0
+    turns: int = 0
+    info: dict[str, float] = field(default_factory=dict)
 
 
-def actions_of(generate, live: list[Trajectory], prompts: list[list[int]], n: int, seed: int, turn: int) -> list[Completion]:
-    """The live episodes' next actions: at the first turn a group's ``n`` from its prompt in one request, later one
-    per episode from its own context."""
-    if turn == 0:
-        return [a for g in generate(prompts, n, seed) for a in g]
-    return [g[0] for g in generate([t.context for t in live], 1, seed + 7_919 * turn)]
-
-
-def start_group(agent: Agent, row: dict, n: int, render: Callable[[str], list[int]], prompt_key: str, label_key: str,
-                where: str) -> tuple[list[int], list[Trajectory]]:
-    """``n`` new episodes on ``row``, all from the prompt the first one's reset gives (the row's, or its observation)."""
-    states = [reset(agent, row, prompt_key, label_key, where) for _ in range(n)]
-    obs = states[0][1]
-    prompt_ids = render(row[prompt_key] if obs is None else obs)
-    return prompt_ids, [Trajectory(list(prompt_ids), state) for state, _ in states]
-
-
-def reset(agent: Agent, row: dict, prompt_key: str, label_key: str, where: str) -> tuple[Any, Any]:
-    """A new episode on ``row``: the agent's (state, first observation: the prompt's text or None)."""
-    try:
-        answer = agent.reset(row[prompt_key], row.get(label_key))
-    except Exception as e:
-        raise AgentError(f"{where} raised {type(e).__name__}: {e}") from e
-    if not isinstance(answer, tuple) or len(answer) != 2:
-        raise AgentError(f"{where}: returned {answer!r:.80}; expected (state, observation)")
-    if answer[1] is not None and not isinstance(answer[1], str):
-        raise AgentError(f"{where}: the first observation is {answer[1]!r:.80}; expected the prompt's text or None")
-    return answer
-
-
-class Stepper:
-    """A turn of an episode: the model's action appended, the agent's answer taken, its observation appended
-    unless the episode ends (done, the last turn, no observation, or no room left for another whole action)."""
-
-    def __init__(self, agent: Agent, tokenizer, max_turns: int, max_new_tokens: int, max_model_len: int):
-        self.agent, self.tok, self.tokens = agent, tokenizer, ObservationTokens(tokenizer)
-        self.max_turns, self.max_new_tokens, self.max_model_len = max_turns, max_new_tokens, max_model_len
-
-    def __call__(self, t: Trajectory, action: Completion, turn: int) -> None:
-        t.act(action)
-        where = f"rollout.agent {self.agent.ref}: step {turn + 1}"
-        try:
-            answer = self.agent.step(t.state, self.tok.decode(action.token_ids, skip_special_tokens=True))
-        except Exception as e:
-            raise AgentError(f"{where} raised {type(e).__name__}: {e}") from e
-        obs, reward, done, info = check_step_answer(answer, where)
-        t.reward += reward
-        t.info = info or t.info
-        if done or turn + 1 == self.max_turns or obs is None:
-            t.done = True
-            return
-        ids = self.tokens(obs, where)
-        if len(t.context) + len(ids) + self.max_new_tokens > self.max_model_len:  # no room for another whole action
-            t.done = True
-            return
-        t.observe(ids)
+def episode_of(result: Any, tok, with_logprobs: bool, where: str) -> Episode:
+    """An executor's episode dict (OpenRLHF's keys) as an :class:`Episode`, checked."""
+    if not isinstance(result, dict) or not {"observation_tokens", "action_ranges"} <= set(result):
+        raise AgentError(f"{where}: execute returned {result!r:.80}; expected OpenRLHF's episode dict "
+                         "(observation_tokens, action_ranges, rollout_log_probs, reward, scores, extra_logs)")
+    ids, ranges = [int(t) for t in result["observation_tokens"]], [tuple(r) for r in result["action_ranges"]]
+    if not ranges or any(not (0 <= a <= b <= len(ids)) for a, b in ranges) or any(
+            ranges[i][1] > ranges[i + 1][0] for i in range(len(ranges) - 1)):
+        raise AgentError(f"{where}: action_ranges {ranges!r:.80} are not increasing spans of observation_tokens "
+                         f"({len(ids)} tokens)")
+    start = ranges[0][0]
+    mask = [0] * (len(ids) - start)
+    for a, b in ranges:
+        mask[a - start : b - start] = [1] * (b - a)
+    logps = None
+    if with_logprobs:
+        lp = result.get("rollout_log_probs")
+        if lp is None or len(lp) != len(ids):
+            raise AgentError(f"{where}: rollout_log_probs must give one number per observation token (the run keeps the "
+                             "engine's log-probs: async or algo.is_correction); set sampling_params.logprobs")
+        logps = [float(x) for x in lp[start:]]
+    reward = result.get("reward")
+    reward = None if reward is None else number(reward, "reward", where)
+    scores = result.get("scores")
+    score = reward if scores is None else number(scores, "scores", where)
+    logs = {str(k): number(v, f"extra_logs[{k!r}]", where, nan_ok=True) for k, v in (result.get("extra_logs") or {}).items()}
+    return Episode(ids[:start], ids[start:], tok.decode(ids[start:]), logps, result.get("finish_reason"), mask,
+                   reward=reward, score=0.0 if score is None else score, turns=len(ranges), info=logs)

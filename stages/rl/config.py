@@ -68,8 +68,13 @@ class RolloutConfig(BaseModel):
     max_model_len: int = Field(512, ge=1, description="prompt + response tokens the engines hold")
     async_: bool = Field(False, alias="async", description="async training (OpenRLHF's async_enable): the engines generate the next max_staleness steps' samples while the learners train, each step's batch sampled by weights up to max_staleness updates old; the engine's log-probs are kept for the IS correction (algo.is_correction, which async runs should set)")
     max_staleness: int = Field(1, ge=1, description="async: how many updates behind the learners a batch's weights may be")
-    agent: str | None = Field(None, description="multi-turn agents (stages.rl.agents): a file (or module) defining reset(prompt, label) and step(state, action_text); its step rewards replace the reward source; at most max_turns actions an episode")
-    max_turns: int = Field(2, ge=1, description="an agent episode's most actions")
+    agent: str | None = Field(None, description="multi-turn agents (stages.rl.agents): a file (or module) defining OpenRLHF's AgentExecutor / AgentInstance classes, or reset(prompt, label) and step(state, action_text); its step rewards replace the reward source; every episode in flight at once, at most max_turns actions each")
+    max_turns: int = Field(2, ge=1, description="an agent (or tools) episode's most actions")
+    tools: str | None = Field(None, description="tool calling (stages.rl.tools): a file (or module) of typed, documented functions (sync or async), rendered by the chat template; a call in an action is run and its answer appended as a tool message (out of the loss). Without an agent the episode ends at an answer with no call and the reward function scores it")
+    tool_parser: str = Field("hermes", description="the tool-call format parsed from actions: hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, Qwen's), or one registered with stages.rl.tools.register_parser")
+    max_tool_calls: int = Field(4, ge=0, description="tool calls an episode may make; an action whose calls go beyond them ends the episode")
+    env_timeout_s: float | None = Field(60.0, gt=0, description="the deadline of every environment call of an episode (reset, step, a tool): one that gives no answer fails the step naming the row and the turn; null: none")
+    max_concurrent_episodes: int = Field(256, ge=1, description="agent episodes in flight at once on each engine (and the threads that run sync environment calls)")
 
 
 class AlgoConfig(BaseModel):
@@ -310,11 +315,12 @@ class RLConfig(StageConfig):
             if sources:
                 raise ValueError(f"reward.{sources[0]}: rollout.agent's step gives the rewards; remove reward.{sources[0]} "
                                  "(or rollout.agent)")
-            if self.rollout.async_:
-                raise ValueError("rollout.async: not supported with rollout.agent (an episode's turns wait on the driver); "
-                                 "set rollout.async: false")
             if self.eval_grader:
                 raise ValueError("eval_grader: rollout.agent scores the held-out episodes itself; remove eval_grader")
+        if self.rollout.tools and not self.rollout.agent:
+            if not sources:
+                raise ValueError("rollout.tools: without rollout.agent an episode is scored by the reward source; set "
+                                 "reward.func, reward.url or reward.model (or rollout.agent)")
         return self
 
     @model_validator(mode="after")

@@ -50,7 +50,7 @@ from stages.rl.config import RLConfig
 from stages.rl.experience import KLController, StepPlan, make_experience
 from stages.rl.metrics import PhaseTimer, mean_kl, no_signal_reason, signal_metrics, step_metrics
 from stages.rl.preflight import check_inputs, logged_metrics, plugins, preflight
-from stages.rl.rewards import EpisodeReward, ModelReward, TextReward, text_reward
+from stages.rl.rewards import EpisodeReward, ModelReward, TextReward, WithEpisodeLogs, text_reward
 from stages.rl.sampler import Rollout, Sampler
 from stages.rl.weight_sync import SyncError, WeightSync  # noqa: F401  (SyncError: the stage's own error)
 
@@ -70,7 +70,7 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     plan = StepPlan.of(config)
     critic_init = check_inputs(config, plan, policy, reward_model, critic)
     text = None if reward_model is not None or config.rollout.agent else text_reward(config)  # a bad file fails here
-    agent, grader = plugins(config)
+    agent, grader, tools = plugins(config)
     tokenizer = AutoTokenizer.from_pretrained(policy.path)
     rows = load_rows(config.data, check_prompt_label_row(config.data))
     eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
@@ -83,8 +83,10 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
         trainers, engines, scorer = start_actors(config, plan, policy.path, critic_init.path if critic_init else None,
                                                  reward_model.path if reward_model else None, deadlines, run_dir)
         rewards = EpisodeReward() if agent else ModelReward(scorer, deadlines.call) if scorer else \
-            TextReward(text, tokenizer, config.data.label_key)
-        sampler = Sampler(config, tokenizer, engines, rows, rewards, plan.rollout_logp, agent)
+            TextReward(text, tokenizer, config.data.label_key, keep_special=tools is not None)
+        if tools is not None and not agent:  # tools-only episodes: scored by the reward source, their counts logged
+            rewards = WithEpisodeLogs(rewards)
+        sampler = Sampler(config, tokenizer, engines, rows, rewards, plan.rollout_logp, agent, tools)
         sync = WeightSync(config, trainers.learners, engines, deadlines, trainers.gpu)
         sync.connect()
         trainers.offload()  # train.enable_sleep: the engines generate first
@@ -257,7 +259,7 @@ class RLLoop:
             for k, (p, r, text) in enumerate(zip(samples.prompt_ids, samples.response_ids, samples.texts, strict=True)):
                 row = {"prompt_index": samples.prompt_index[k // per], "prompt_ids": p, "response_ids": r, "response": text,
                        "reward": rollout.scores.rewards[k].item(), "truncated": bool(samples.truncated[k])}
-                if self.cfg.rollout.agent:
+                if self.cfg.rollout.agent or self.cfg.rollout.tools:
                     row["action_mask"] = samples.response_mask[k, len(p) : len(p) + len(r)].tolist()
                 f.write(json.dumps(row) + "\n")
 
@@ -282,8 +284,8 @@ SPEC = StageSpec(
     (Input("policy", (POLICY,), field="base"), Input("reward_model", (REWARD,), field="reward.model"),
      Input("critic", (REWARD, POLICY), field="critic.model", needed=lambda config: StepPlan.of(config).values)),
     output=trained_output(POLICY, ADAPTER),
-    files=("data.paths", "eval_data.paths", "reward.func", "eval_grader", "rollout.agent"),
-    plugins=("reward.func", "eval_grader", "rollout.agent"),
+    files=("data.paths", "eval_data.paths", "reward.func", "eval_grader", "rollout.agent", "rollout.tools"),
+    plugins=("reward.func", "eval_grader", "rollout.agent", "rollout.tools"),
     check=preflight,
     metrics=logged_metrics,
 )

@@ -30,8 +30,9 @@ FILTERING = ("filtered_share", "prompts_drawn")  # stages.rl.sampler's dynamic f
 
 
 def plugins(config: RLConfig):
-    """The agent and the held-out grader the config names (a bad reference fails here, before Ray starts)."""
-    agent = grader = None
+    """The agent, the held-out grader and the tools the config names (a bad reference fails here, before Ray
+    starts): ``(agent, grader, tools)``."""
+    agent = grader = tools = None
     if config.rollout.agent:
         from stages.rl.agents import load_agent
 
@@ -40,7 +41,14 @@ def plugins(config: RLConfig):
         from stages.common.graders import load_grader
 
         grader = load_grader(config.eval_grader)
-    return agent, grader
+    if config.rollout.tools:
+        from stages.rl.tools import PARSERS, ToolError, load_tools
+
+        tools = load_tools(config.rollout.tools)  # (a file may register its own parser)
+        if config.rollout.tool_parser not in PARSERS:
+            raise ToolError(f"rollout.tool_parser: {config.rollout.tool_parser!r} is not a tool-call parser; known: "
+                            f"{', '.join(sorted(PARSERS))} (stages.rl.tools.register_parser adds one)")
+    return agent, grader, tools
 
 
 def check_inputs(config: RLConfig, plan, policy: CheckpointRef, reward_model: CheckpointRef | None,
@@ -122,8 +130,14 @@ def logged_metrics(config: RLConfig) -> Logged:
     extra: list[str] = []
     held_out = ["eval_accuracy"]
     open_ = None
+    episode: list[str] = []
+    if config.rollout.agent or config.rollout.tools:
+        from stages.rl.tools import load_tools, tool_metrics
+
+        episode = ["turns", *(tool_metrics(load_tools(config.rollout.tools).names) if config.rollout.tools else [])]
+        held_out += [f"eval_{k}" for k in episode]
     if config.rollout.agent:
-        extra, held_out, open_ = ["turns"], ["eval_accuracy", "eval_turns"], "the agent's info (each episode's last info dict)"
+        extra, open_ = episode, "the agent's extra_logs (each episode's last step's)"
     elif dry_callable(config):
         from stages.rl.rewards import text_reward
 
@@ -134,5 +148,7 @@ def logged_metrics(config: RLConfig) -> Logged:
         open_ = "the reward endpoint's extra_logs"
     elif not config.eval_grader:
         held_out = ["eval_reward"]  # a reward model scores the held-out prompts
+    if not config.rollout.agent:  # tools-only episodes: the reward source's metrics and the episodes'
+        extra = [*extra, *episode]
     critic = CRITIC if StepPlan.of(config).values else ()
     return logged(STEP, UPDATES, critic, FILTERING, extra, held_out, "step", "value", open=open_)

@@ -255,8 +255,11 @@ class TextReward:
     """A function or an endpoint, on decoded text: each sample's prompt + response (``queries``), its prompt
     and its row's label."""
 
-    def __init__(self, call: Callable[[list[str], list[str], list[Any]], dict[str, Any]], tokenizer, label_key: str):
-        self.call, self.tok, self.label_key = call, tokenizer, label_key
+    def __init__(self, call: Callable[[list[str], list[str], list[Any]], dict[str, Any]], tokenizer, label_key: str,
+                 keep_special: bool = False):
+        """``keep_special``: responses decoded with their special tokens (as OpenRLHF decodes an episode's query),
+        so a multi-turn episode's turns stay apart (tool episodes)."""
+        self.call, self.tok, self.label_key, self.skip = call, tokenizer, label_key, not keep_special
 
     def score(self, rows: list[dict], samples: Samples) -> Scores:
         per = len(samples.prompt_ids) // len(rows)
@@ -264,7 +267,7 @@ class TextReward:
         for k, (p, r) in enumerate(zip(samples.prompt_ids, samples.response_ids, strict=True)):
             if k % per == 0:  # a group's samples share their prompt
                 prompt_text = self.tok.decode(p)
-            queries.append(prompt_text + self.tok.decode(r, skip_special_tokens=True))
+            queries.append(prompt_text + self.tok.decode(r, skip_special_tokens=self.skip))
             prompts.append(prompt_text)
             labels.append(rows[k // per][self.label_key])
         return Scores.of(self.call(queries, prompts, labels))
@@ -305,6 +308,31 @@ class EpisodeReward:
             counted = [v for v in scores.extra_logs[k].tolist() if not math.isnan(v)]
             if counted:
                 out[f"eval_{k}"] = sum(counted) / len(counted)
+        return out
+
+
+class WithEpisodeLogs:
+    """A reward source scoring tools-only episodes, with the episodes' own counts (turns, tool calls and
+    failures) among its extra logs, and their means held out as ``eval_<name>``."""
+
+    def __init__(self, source: RewardSource):
+        self.source, self.names = source, {"turns"}
+
+    def score(self, rows: list[dict], samples: Samples) -> Scores:
+        scores = self.source.score(rows, samples)
+        flat = samples.completions
+        for k in sorted({k for e in flat for k in e.info}):
+            scores.extra_logs[k] = torch.tensor([e.info.get(k, float("nan")) for e in flat])
+            self.names.add(k)
+        scores.extra_logs["turns"] = torch.tensor([float(e.turns) for e in flat])
+        return scores
+
+    def held_out(self, scores: Scores) -> dict[str, float]:
+        out = self.source.held_out(scores)
+        for k in sorted(self.names & set(scores.extra_logs)):
+            counted = [v for v in scores.extra_logs[k].tolist() if not math.isnan(v)]
+            if counted:
+                out.setdefault(f"eval_{k}", sum(counted) / len(counted))
         return out
 
 

@@ -69,12 +69,17 @@ def engine_settings(cfg, colocated: bool) -> dict:
                 logprobs_mode="processed_logprobs")
 
 
+def engine_settings_of(dtype: str = "float32", max_model_len: int = 512) -> dict:
+    """An engine's settings outside an RL run (tests, benches): this machine's device, the weight-sync extension."""
+    return dict(dtype=dtype, max_model_len=max_model_len, worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs")
+
+
 class RolloutEngine:
     """One vLLM engine (run as a Ray actor by the RL driver, or in-process in tests); ``index``: its place among
     the run's engines; ``settings``: :func:`engine_settings`."""
 
     def __init__(self, model_path: str, index: int = 0, seed: int = 0, settings: dict | None = None):
-        self.index = index
+        self.index, self.model_path, self._episodes = index, model_path, None
         self.llm = make_llm(model_path, seed=seed, **(settings or {"worker_extension_cls": EXTENSION,
                                                                    "logprobs_mode": "processed_logprobs"}))
 
@@ -82,6 +87,17 @@ class RolloutEngine:
                  logprobs: bool = False) -> list[list[Completion]]:
         """``logprobs``: also the sampled tokens' log-probs (they cost ~20% of a tiny model's generation time on CPU)."""
         return generate(self.llm, prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=logprobs)
+
+    def run_episodes(self, jobs: list, spec) -> list:
+        """Agent episodes, every one in flight at once (``stages.rl.episodes``): :class:`stages.rl.agents.Episode` s
+        in the order of ``jobs``."""
+        if self._episodes is None:
+            from transformers import AutoTokenizer
+
+            from stages.rl.episodes import EpisodeRunner
+
+            self._episodes = EpisodeRunner(self.llm, AutoTokenizer.from_pretrained(self.model_path))
+        return self._episodes.run(jobs, spec)
 
     def update_weights(self, data: bytes) -> int:
         loaded = self.llm.collective_rpc("load_safetensors_bytes", args=(data,))
@@ -149,6 +165,22 @@ class EnginePool:
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False):
         return self.gather(self.launch(prompt_ids, n, temperature, seed, logprobs))
+
+    def launch_episodes(self, groups: list[list], spec) -> list:
+        """Start agent episodes: ``groups`` of jobs (a prompt's ``n`` episodes), each group on one engine (its
+        prompt's cache shared), the groups round-robin over the engines; :meth:`gather_episodes` waits."""
+        k = len(self.engines)
+        return [e.run_episodes.remote([j for g in groups[i::k] for j in g], spec) for i, e in enumerate(self.engines)]
+
+    def gather_episodes(self, refs: list, groups: list[list]) -> list[list]:
+        """The episodes of :meth:`launch_episodes`, as the groups they were given in."""
+        outs, k = self.call(refs, "engine.run_episodes"), len(self.engines)
+        result: list = [None] * len(groups)
+        for i, out in enumerate(outs):
+            it = iter(out)
+            for g in range(i, len(groups), k):
+                result[g] = [next(it) for _ in groups[g]]
+        return result
 
     def push(self, data) -> None:
         """Load new weights (safetensors bytes, or an object-store reference to them) on every engine."""

@@ -32,8 +32,8 @@ class Rollout:
 
 @dataclass
 class Started:
-    """A step's rollout on its way: the prompts' rows, their seed, the engines' pending calls (none for episodes,
-    which run turn by turn when collected)."""
+    """A step's rollout on its way: the prompts' rows, their seed, the engines' pending calls (episodes: their
+    jobs' groups too)."""
 
     idx: list[int]
     seed: int
@@ -54,31 +54,50 @@ class SingleTurn:
 
 
 class Episodes:
-    """An agent's episodes (``stages.rl.agents``): every turn's actions sampled by the engines."""
+    """Agent (or tools) episodes (``stages.rl.agents``), every one in flight at once in the engines' processes
+    (``stages.rl.episodes``): started with the step, so async training samples them ahead like single-turn ones."""
 
-    def __init__(self, engines: EnginePool, agent, tokenizer, render: Callable[[Any], list[int]], cfg: RLConfig):
-        self.engines, self.agent, self.tok, self.render, self.cfg = engines, agent, tokenizer, render, cfg
+    def __init__(self, engines: EnginePool, render: Callable[[Any], str], cfg: RLConfig):
+        self.engines, self.render, self.cfg = engines, render, cfg
 
-    def start(self, idx: list[int], n: int, temperature: float, seed: int, logprobs: bool) -> None:
-        return None
-
-    def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool) -> list:
-        from stages.rl.agents import run_episodes
+    def spec(self, temperature: float, logprobs: bool, data):
+        from stages.rl.episodes import Spec
 
         ro = self.cfg.rollout
-        return run_episodes(self.agent, lambda ids, k, s: self.engines.generate(ids, k, temperature, s, logprobs), self.tok,
-                            self.render, rows, data.prompt_key, data.label_key, n, ro.max_turns, ro.max_new_tokens,
-                            ro.max_model_len, started.seed, logprobs)
+        return Spec(ro.agent, ro.tools, ro.tool_parser, ro.max_tool_calls, ro.max_turns, ro.max_new_tokens, ro.max_model_len,
+                    temperature, logprobs, ro.env_timeout_s, ro.max_concurrent_episodes, data)
+
+    def jobs(self, idx: list[int], rows: list[dict], data, n: int, seed: int) -> list[list]:
+        """A group of ``n`` jobs per row (``idx``: the rows' numbers in their data), each episode with its own seed."""
+        from stages.common.generation import request_seed
+        from stages.rl.episodes import Job
+
+        return [[Job(i + 1, self.render(row[data.prompt_key], data), row[data.prompt_key], row.get(data.label_key),
+                     request_seed(seed, g * n + j)) for j in range(n)]
+                for g, (i, row) in enumerate(zip(idx, rows, strict=True))]
+
+    def launch(self, idx: list[int], rows: list[dict], data, n: int, temperature: float, seed: int, logprobs: bool):
+        groups = self.jobs(idx, rows, data, n, seed)
+        return groups, self.engines.launch_episodes(groups, self.spec(temperature, logprobs, data))
+
+    def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool) -> list:
+        if started.refs is None:
+            started.refs = self.launch(started.idx, rows, data, n, temperature, started.seed, logprobs)
+        groups, refs = started.refs
+        return self.engines.gather_episodes(refs, groups)
 
 
 class Sampler:
     def __init__(self, cfg: RLConfig, tokenizer, engines: EnginePool, rows: list[dict], rewards: RewardSource,
-                 with_logp: bool, agent=None):
+                 with_logp: bool, agent=None, tools=None):
+        """``agent``, ``tools``: the run's (``stages.rl.preflight.plugins``); with either the rollouts are episodes."""
         self.cfg, self.tok, self.rows, self.with_logp = cfg, tokenizer, rows, with_logp
+        self.tool_schemas = tools.schemas if tools is not None else None
         self.rewards = Timed(rewards)
         render = self.render
-        self.kind = SingleTurn(engines, [render(r[cfg.data.prompt_key]) for r in rows]) if agent is None else \
-            Episodes(engines, agent, tokenizer, render, cfg)
+        episodes = agent is not None or cfg.rollout.tools is not None
+        self.kind = Episodes(engines, self.render_text, cfg) if episodes else \
+            SingleTurn(engines, [render(r[cfg.data.prompt_key]) for r in rows])
         self.engines = engines
         ro = cfg.rollout
         self.schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
@@ -86,7 +105,11 @@ class Sampler:
         self.extra_schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed + 7_919)
 
     def render(self, prompt) -> list[int]:
-        return self.tok(render_prompt(self.tok, prompt, self.cfg.data), add_special_tokens=False)["input_ids"]
+        return self.tok(self.render_text(prompt), add_special_tokens=False)["input_ids"]
+
+    def render_text(self, prompt, data=None) -> str:
+        """The prompt as the model sees it (with ``rollout.tools``: their schemas rendered by the chat template)."""
+        return render_prompt(self.tok, prompt, data or self.cfg.data, tools=self.tool_schemas)
 
     def batch(self, step: int, extra: int = 0) -> tuple[list[int], int]:
         """The rows of the step's prompts (``extra`` > 0: its extra batch number ``extra``, drawn for dynamic
@@ -102,6 +125,10 @@ class Sampler:
         the plan asks for them)."""
         ro = self.cfg.rollout
         idx, seed = self.batch(step, extra)
+        if isinstance(self.kind, Episodes):
+            rows = [self.rows[i] for i in idx]
+            return Started(idx, seed, self.kind.launch(idx, rows, self.cfg.data, ro.n_samples_per_prompt, ro.temperature,
+                                                       seed, self.with_logp))
         return Started(idx, seed, self.kind.start(idx, ro.n_samples_per_prompt, ro.temperature, seed, self.with_logp))
 
     def _scored(self, started: Started) -> tuple[list, Samples, Scores]:

@@ -1,0 +1,235 @@
+"""Agent episodes in flight at once, inside a rollout engine's process (as OpenRLHF runs its agent executors).
+
+Every episode is its own coroutine on one event loop. An action is its own vLLM request: :class:`RequestQueue`
+adds it to the engine (vLLM's per-request ``LLMEngine.add_request``) and one stepping loop runs the engine in a
+worker thread while requests are open, so the engine batches whatever actions are pending (continuous batching
+across episodes) and an episode waiting on its environment holds no other. Environment calls (reset, step,
+tools) are awaited with ``rollout.env_timeout_s`` each; sync ones run in a thread pool of
+``rollout.max_concurrent_episodes`` threads, which also bounds how many episodes run at once.
+
+Results are deterministic for a given seed whatever order episodes finish in: each action samples with a seed
+of its own, hashed from (the episode's seed, its action number), and the episodes come back in job order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from copy import copy
+from dataclasses import dataclass
+from typing import Any
+
+from stages.common.generation import request_seed
+from stages.rl.agents import AgentError, EpisodeSettings, episode_of
+
+
+@dataclass
+class Job:
+    """One episode to run: its data row (``row``: the row's number in the data, for messages), its prompt as the
+    model sees it (rendered) and as the row has it, its label and its seed."""
+
+    row: int
+    prompt: str
+    raw_prompt: Any
+    label: Any
+    seed: int
+
+
+@dataclass
+class Spec:
+    """What every episode of a call shares: the agent and tools (files loaded in the engine's process), the
+    sampling, the bounds."""
+
+    agent: str | None
+    tools: str | None
+    tool_parser: str
+    max_tool_calls: int
+    max_turns: int
+    max_new_tokens: int
+    max_model_len: int
+    temperature: float
+    logprobs: bool
+    env_timeout_s: float | None
+    max_concurrent: int
+    data: Any  # the DataConfig the prompts are rendered with (an agent's own first observation too)
+
+
+class RequestQueue:
+    """vLLM's per-request API as awaitables: :meth:`generate` queues a request, :meth:`drive` adds the queued
+    requests between engine steps and resolves each when it finishes."""
+
+    def __init__(self, llm):
+        self.core = llm.llm_engine
+        self.queued: list[tuple[str, list[int], Any, asyncio.Future]] = []
+        self.open: dict[str, asyncio.Future] = {}
+        self.ids = itertools.count()
+        self.wake = asyncio.Event()
+        self.stepper = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self.steps = 0
+
+    async def generate(self, prompt_token_ids: list[int], params) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+
+        if getattr(params, "n", 1) != 1:
+            raise AgentError(f"an episode's action samples one sequence (sampling_params.n={params.n})")
+        params = copy(params)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        fut = asyncio.get_running_loop().create_future()
+        self.queued.append((f"episode-{next(self.ids)}", list(prompt_token_ids), params, fut))
+        self.wake.set()
+        return await fut
+
+    async def drive(self) -> None:
+        from vllm import TokensPrompt
+
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self.queued and not self.open:
+                    self.wake.clear()
+                    await self.wake.wait()
+                for rid, ids, params, fut in self.queued:
+                    self.core.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+                    self.open[rid] = fut
+                self.queued.clear()
+                outs = await loop.run_in_executor(self.stepper, self.core.step)
+                self.steps += 1
+                for o in outs:
+                    if o.finished and o.request_id in self.open:
+                        self.open.pop(o.request_id).set_result(o)
+        except BaseException as e:
+            for fut in [*self.open.values(), *(q[3] for q in self.queued)]:
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, Exception) else RuntimeError("the engine stopped"))
+            raise
+
+    def close(self) -> None:
+        if self.open:
+            self.core.abort_request(list(self.open))
+        self.stepper.shutdown(wait=True)
+
+
+class EpisodeEngine:
+    """The ``llm_engine`` an executor gets for one episode: ``generate(token_ids, sampling_params)`` returns a vLLM
+    ``RequestOutput``; each call samples with its own seed (the episode's seed, hashed with the call's number)."""
+
+    def __init__(self, queue: RequestQueue, job: Job, settings: EpisodeSettings, render):
+        self.queue, self.job, self.settings, self.render = queue, job, settings, render
+        self.raw_prompt, self.calls = job.raw_prompt, 0
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        if multi_modal_data:
+            raise AgentError(f"{self.settings.where}: images in an episode are not supported yet")
+        params = copy(sampling_params)
+        params.seed = request_seed(self.job.seed, self.calls)
+        self.calls += 1
+        return await self.queue.generate(list(prompt_token_ids), params)
+
+
+class EpisodeRunner:
+    """Runs a call's episodes in one engine's process (:meth:`run`); the agent and tools are loaded once."""
+
+    def __init__(self, llm, tokenizer):
+        self.llm, self.tok = llm, tokenizer
+        self._loaded: dict[tuple, Any] = {}
+        self.last_steps = 0  # the engine steps the last call took
+
+    def _load(self, spec: Spec):
+        from stages.rl.agents import load_agent
+        from stages.rl.tools import PARSERS, load_tools
+
+        key = (spec.agent, spec.tools)
+        if key not in self._loaded:
+            agent = load_agent(spec.agent) if spec.agent else None
+            tools = load_tools(spec.tools) if spec.tools else None
+            self._loaded[key] = (agent, tools)
+        agent, tools = self._loaded[key]
+        return agent, tools, PARSERS[spec.tool_parser]
+
+    def run(self, jobs: list[Job], spec: Spec) -> list:
+        """The episodes of ``jobs``, in order (:class:`stages.rl.agents.Episode`); the first failure stops them all."""
+        return asyncio.run(self._run(jobs, spec))
+
+    async def _run(self, jobs: list[Job], spec: Spec) -> list:
+        from vllm import SamplingParams
+
+        from datasets_prep.sft import render_prompt
+        from stages.rl.agents import run_episode
+
+        agent, tools, parser = self._load(spec)
+        queue = RequestQueue(self.llm)
+        pool = ThreadPoolExecutor(spec.max_concurrent, thread_name_prefix="environment")
+        gate = asyncio.Semaphore(spec.max_concurrent)
+        params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_new_tokens,
+                                logprobs=0 if spec.logprobs else None)
+        render = lambda p: render_prompt(self.tok, p, spec.data)  # noqa: E731
+        name = f"rollout.agent {spec.agent}" if spec.agent else f"rollout.tools {spec.tools}"
+
+        async def one(job: Job):
+            async with gate:
+                where = f"{name}: row {job.row}"
+                settings = EpisodeSettings(spec.max_turns, spec.max_new_tokens, spec.env_timeout_s, tools, parser,
+                                           spec.max_tool_calls, pool, where)
+                engine = EpisodeEngine(queue, job, settings, render)
+                if agent is None:
+                    result = await run_episode(None, job.prompt, job.label, params, spec.max_model_len, self.tok, engine)
+                else:
+                    executor = agent.executor()
+                    try:
+                        result = await executor.execute(job.prompt, job.label, copy(params), spec.max_model_len, self.tok, engine)
+                    except AgentError:
+                        raise
+                    except Exception as e:
+                        raise AgentError(f"{where}: the agent raised {type(e).__name__}: {e}") from e
+                return episode_of(result, self.tok, spec.logprobs, where)
+
+        driver = asyncio.create_task(queue.drive())
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(j)) for j in jobs]
+                waiting = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+                done, _ = await asyncio.wait([waiting, driver], return_when=asyncio.FIRST_COMPLETED)
+                if driver in done:  # the engine failed: every episode waits on it
+                    driver.result()
+            return [t.result() for t in tasks]
+        except BaseExceptionGroup as eg:
+            raise _first(eg) from None
+        finally:
+            driver.cancel()
+            await asyncio.gather(driver, return_exceptions=True)
+            self.last_steps = queue.steps
+            queue.close()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _first(eg: BaseExceptionGroup) -> BaseException:
+    """The first error of a failed group of episodes (the one that stopped the others)."""
+    e: BaseException = eg
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e
+
+
+def episodes_rank(job: dict, rank: int, world_size: int) -> dict:
+    """Launcher target (tests, ``bench/agents.py``): one engine on ``job["model"]`` runs each of ``job["runs"]``
+    (``{"jobs": [Job fields], "spec": Spec fields}``); per run its episodes (as dicts) and seconds."""
+    import time
+    from dataclasses import asdict
+
+    from transformers import AutoTokenizer
+
+    from datasets_prep.loading import DataConfig
+    from stages.rl.rollout import RolloutEngine, engine_settings_of
+
+    engine = RolloutEngine(job["model"], seed=job.get("seed", 0),
+                           settings=engine_settings_of(job.get("dtype", "float32"), job.get("max_model_len", 512)))
+    runner = EpisodeRunner(engine.llm, AutoTokenizer.from_pretrained(job["model"]))
+    out = []
+    for run in job["runs"]:
+        spec = Spec(**{**run["spec"], "data": DataConfig.model_validate(run["spec"]["data"])})
+        t = time.perf_counter()
+        episodes = runner.run([Job(**j) for j in run["jobs"]], spec)
+        out.append({"seconds": time.perf_counter() - t, "engine_steps": runner.last_steps,
+                    "episodes": [asdict(e) for e in episodes]})
+    return {"runs": out}
