@@ -50,6 +50,8 @@ def check_sft_row(config: DataConfig):
         value = require_text(row, config.input_key, where, "input_key", allow_messages=not config.pretrain_mode)
         if config.pretrain_mode:
             return
+        if row.get("tools") is not None:
+            check_tools_column(row["tools"], where)
         if isinstance(value, list):
             if config.output_key and config.output_key in row:
                 require_text(row, config.output_key, where, "output_key")
@@ -63,6 +65,21 @@ def check_sft_row(config: DataConfig):
         require_text(row, config.output_key, where, "output_key")
 
     return check
+
+
+def check_tools_column(tools, where: str) -> None:
+    """A row's ``tools``: JSON schemas (``{"type": "function", "function": {"name": ...}}``), as a list or its JSON text."""
+    if isinstance(tools, str):
+        import json
+
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field 'tools' is not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                              and isinstance(t["function"].get("name"), str) for t in tools):
+        raise DataError(f"{where}: field 'tools' is {tools!r:.80}; expected a list of tool JSON schemas "
+                        '({"type": "function", "function": {"name": ..., "parameters": ...}}, as get_json_schema gives)')
 
 
 def char_bound(tokenizer, max_len: int) -> int:
@@ -139,20 +156,21 @@ def render_response(tokenizer, prompt, response: str, config: DataConfig) -> str
     return response + (tokenizer.eos_token or "")
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> Example:
-    """Token ids of a conversation with the loss on assistant turns only."""
+def tokenize_conversation(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Example:
+    """Token ids of a conversation with the loss on assistant turns only (``tools``: their JSON schemas, rendered
+    by the chat template)."""
     ids: list[int] = []
     mask: list[int] = []
     done = ""
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            head = _render(tokenizer, messages[:i], add_generation_prompt=True)
-            full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+            head = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+            full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
             if not (head.startswith(done) and full.startswith(head)):
                 raise DataError("the chat template does not render conversations incrementally")
             pieces = [(head[len(done):], 0), (full[len(head):], 1)]
         else:
-            full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+            full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
             if not full.startswith(done):
                 raise DataError("the chat template does not render conversations incrementally")
             pieces = [(full[len(done):], 0)]
@@ -164,6 +182,16 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> Example:
     return Example(ids, mask)
 
 
+def row_tools(row: dict) -> list[dict] | None:
+    """A row's ``tools`` column (TRL's): the JSON schemas of the tools its conversation may call, or None."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        import json
+
+        tools = json.loads(tools)
+    return tools or None
+
+
 def tokenize_sft_row(row: dict, tokenizer, config: DataConfig) -> Example:
     value = row[config.input_key]
     if config.pretrain_mode:
@@ -173,8 +201,8 @@ def tokenize_sft_row(row: dict, tokenizer, config: DataConfig) -> Example:
         messages = list(value)
         if config.output_key and config.output_key in row:
             messages.append({"role": "assistant", "content": row[config.output_key]})
-        return tokenize_conversation(tokenizer, messages)
-    prompt_ids = _ids(tokenizer, render_prompt(tokenizer, value, config))
+        return tokenize_conversation(tokenizer, messages, row_tools(row))
+    prompt_ids = _ids(tokenizer, render_prompt(tokenizer, value, config, tools=row_tools(row)))
     response_ids = _ids(tokenizer, render_response(tokenizer, value, row[config.output_key], config))
     return Example(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
 

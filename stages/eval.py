@@ -41,6 +41,8 @@ from stages.common.plots import y_scale
 from stages.common.stage import POLICY, REPORT, REWARD, Input, StageRun, StageSpec, cli_run, logged
 
 METRICS = ("accuracy", "pass@k", "response_length", "reward", "kl_to_reference")
+# with an agent or tools (greedy episodes): the agent's summed step rewards, actions, tool calls and failures per episode
+EPISODE_METRICS = ("episode_reward", "turns", "tool_calls", "tool_failures")
 
 
 class EvalConfig(StageConfig):
@@ -61,6 +63,13 @@ class EvalConfig(StageConfig):
     reference: str | None = Field(None, description="a reference policy for kl_to_reference, from the CLI; flows pass references")
     output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
     cluster: ClusterConfig = Field(ClusterConfig(), description="cluster.address: each generation and the scoring run as a Ray actor on an existing cluster (a GPU each there)")
+    agent: str | None = Field(None, description="run each held-out row as an agent episode (the RL stage's rollout.agent file: OpenRLHF's classes or reset/step); accuracy is then the episodes' mean score")
+    tools: str | None = Field(None, description="tool calling in the held-out episodes (the RL stage's rollout.tools file); without an agent the grader grades each episode's last answer")
+    tool_parser: str = Field("hermes", description="the tool-call format (as rollout.tool_parser)")
+    max_tool_calls: int = Field(4, ge=0, description="tool calls an episode may make")
+    max_turns: int = Field(2, ge=1, description="an episode's most actions (with an agent or tools)")
+    env_timeout_s: float | None = Field(60.0, gt=0, description="the deadline of each environment call (reset, step, a tool)")
+    max_model_len: int = Field(512, ge=1, description="prompt + response tokens the engine holds (an episode's whole context)")
 
     @model_validator(mode="after")
     def _pass_k_fits(self) -> EvalConfig:  # when the config is read (at planning), not when the eval stage starts
@@ -113,7 +122,7 @@ def run_eval(
     models = _labelled(models)
     run = SPEC.identify(config, {"models": models, "reward_model": reward_model, "reference": reference}, run)
     rows = load_rows(config.data, check_prompt_label_row(config.data))
-    load_grader(config.grader)  # a bad reference fails here, before any model loads
+    check(config)  # a bad reference fails here, before any model loads
     for ref, kinds, what in [*((ref, ("full",), "a model to evaluate (merge adapters first)") for ref in models.values()),
                              (reward_model, ("reward",), "the reward model of the eval stage"),
                              (reference, ("full",), "the KL reference of the eval stage")]:
@@ -134,6 +143,9 @@ def run_eval(
             scores = launch("stages.eval:score_rank", job, 1, folder / "score", timeout_s=config.timeout_s, cluster=config.cluster,
                             inputs=[r.path for r in (reward_model, reference) if r is not None])
         metrics = {label: _row(generated[label], scores.get(label, {})) for label in models}
+        if config.agent or config.tools:
+            for label in models:
+                metrics[label].update({m: generated[label]["episodes"].get(m) for m in EPISODE_METRICS})
         return write_report(folder, config, metrics)
 
 
@@ -164,7 +176,7 @@ def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> 
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    shown = [m for m in METRICS if any(v.get(m) is not None for v in metrics.values())]
+    shown = [m for m in (*METRICS, *EPISODE_METRICS) if any(v.get(m) is not None for v in metrics.values())]
     names = {"pass@k": f"pass@{config.pass_k} (T={config.temperature:g})", "accuracy": "accuracy (greedy pass@1)"}
     lines = [
         f"Held-out eval on {', '.join(config.data.paths)} ({next(iter(metrics.values()))['n']} prompts)",
@@ -176,7 +188,8 @@ def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> 
         cells = []
         for m in shown:
             v = vals.get(m)
-            cells.append("-" if v is None else f"{v:.1%}" if m in ("accuracy", "pass@k") else f"{v:.3f}")
+            cells.append("-" if v is None else f"{v:.1%}" if m in ("accuracy", "pass@k") else f"{v:.2f}" if m in EPISODE_METRICS
+                         else f"{v:.3f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     md = "\n".join(lines) + "\n"
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2), squeeze=False)
@@ -214,7 +227,9 @@ def generate_rank(job: dict, rank: int, world_size: int) -> dict:
         tokenizer(render_prompt(tokenizer, r[config.data.prompt_key], config.data), add_special_tokens=False)["input_ids"]
         for r in rows
     ]
-    llm = make_llm(job["model"], seed=config.seed, dtype=config.dtype)
+    llm = make_llm(job["model"], seed=config.seed, dtype=config.dtype, max_model_len=config.max_model_len)
+    if config.agent or config.tools:
+        return _episodes_rank(config, llm, tokenizer, rows, grader)
     greedy = [g[0] for g in generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=0.0)]
     correct = [grade(grader, o.text, a, f"row {i + 1}") for i, (o, a) in enumerate(zip(greedy, labels, strict=True))]
     out = {
@@ -237,12 +252,80 @@ def generate_rank(job: dict, rank: int, world_size: int) -> dict:
     return out
 
 
+def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader) -> dict:
+    """``generate_rank`` with an agent or tools: each row a greedy episode (and ``num_samples`` sampled ones for
+    pass@k), every episode in flight at once (``stages.rl.episodes``). Success: the agent's score, or (tools only)
+    the grader on the episode's last answer; the response: the whole trajectory after the prompt, whose
+    environment tokens the KL estimate leaves out."""
+    from datasets_prep.sft import render_prompt
+    from stages.common.generation import request_seed
+    from stages.rl.episodes import EpisodeRunner, Job, Spec
+    from stages.rl.tools import load_tools
+
+    data = config.data
+    schemas = load_tools(config.tools).schemas if config.tools else None
+    runner = EpisodeRunner(llm, tokenizer)
+
+    def run(n: int, temperature: float, logprobs: bool) -> list[list]:
+        jobs = [Job(i + 1, render_prompt(tokenizer, r[data.prompt_key], data, tools=schemas), r[data.prompt_key],
+                    r.get(data.label_key), request_seed(config.seed, i * n + j)) for i, r in enumerate(rows) for j in range(n)]
+        spec = Spec(config.agent, config.tools, config.tool_parser, config.max_tool_calls, config.max_turns,
+                    config.max_new_tokens, config.max_model_len, temperature, logprobs, config.env_timeout_s, 256, data)
+        flat = runner.run(jobs, spec)
+        return [flat[i * n : (i + 1) * n] for i in range(len(rows))]
+
+    def success(ep, row: dict, i: int) -> float:
+        if config.agent:
+            return ep.score
+        return grade(grader, last_answer(tokenizer, ep), row[data.label_key], f"row {i + 1}")
+
+    greedy = [g[0] for g in run(1, 0.0, False)]
+    correct = [success(ep, r, i) for i, (ep, r) in enumerate(zip(greedy, rows, strict=True))]
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    out = {
+        "accuracy": sum(correct) / len(correct),
+        "response_length": mean([float(len(e.token_ids)) for e in greedy]),
+        "n": len(greedy),
+        "greedy": [e.prompt_ids + e.token_ids for e in greedy],
+        "pass_at_k": None, "samples": [], "sample_logps": [],
+        "episodes": {"episode_reward": mean([e.reward for e in greedy if e.reward is not None]),
+                     "turns": mean([float(e.turns) for e in greedy]),
+                     "tool_calls": mean([e.info["tool_calls"] for e in greedy]) if config.tools else None,
+                     "tool_failures": mean([e.info["tool_failures"] for e in greedy]) if config.tools else None},
+    }
+    if config.num_samples:
+        sampled = run(config.num_samples, config.temperature, False)
+        hits = [sum(success(ep, r, i) >= 1.0 for ep in group) for i, (group, r) in enumerate(zip(sampled, rows, strict=True))]
+        out["pass_at_k"] = sum(pass_at_k(config.num_samples, c, config.pass_k) for c in hits) / len(hits)
+        out["samples"] = [[e.prompt_ids, e.token_ids, e.action_mask] for group in sampled for e in group]
+        out["sample_logps"] = _response_logps(llm, out["samples"])
+    return out
+
+
+def last_answer(tokenizer, episode) -> str:
+    """The text of an episode's last action (the model's answer after its tool calls)."""
+    last: list[int] = []
+    for t, m in zip(episode.token_ids, episode.action_mask, strict=True):
+        if m and last and last[-1] is None:
+            last = []
+        last.append(t if m else None)
+    return tokenizer.decode([t for t in last if t is not None], skip_special_tokens=True)
+
+
 def _response_logps(llm, samples: list[list[list[int]]]) -> list[float]:
-    """Sum of log-probs of each response's tokens given its prompt, from vLLM's scoring pass."""
+    """Sum of log-probs of each response's tokens given its prompt, from vLLM's scoring pass (a sample with an
+    action mask, an episode: of the model's tokens only)."""
     from stages.common.generation import sequence_logprobs
 
-    seqs = [p + r for p, r in samples]
-    return [sum(lps[len(p) - 1 :]) for lps, (p, _) in zip(sequence_logprobs(llm, seqs), samples, strict=True)]
+    seqs = [s[0] + s[1] for s in samples]
+    out = []
+    for lps, s in zip(sequence_logprobs(llm, seqs), samples, strict=True):
+        resp = lps[len(s[0]) - 1 :]
+        out.append(sum(v for v, m in zip(resp, s[2], strict=True) if m) if len(s) > 2 else sum(resp))
+    return out
 
 
 def score_rank(job: dict, rank: int, world_size: int) -> dict:
@@ -272,13 +355,27 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[eval] report: {report.markdown}, plot: {report.plot}")
 
 
+def check(config: EvalConfig) -> None:
+    """Before anything starts: the grader, the agent and the tools load."""
+    load_grader(config.grader)
+    if config.agent:
+        from stages.rl.agents import load_agent
+
+        load_agent(config.agent)
+    if config.tools:
+        from stages.rl.tools import load_tools
+
+        load_tools(config.tools)
+
+
 SPEC = StageSpec(
     "eval", EvalConfig, run_eval,
     (Input("models", (POLICY,), field="models", required=True, many=True), Input("reward_model", (REWARD,), field="reward_model"),
      Input("reference", (POLICY,), field="reference")),
-    output=REPORT, files=("data.paths", "grader"), plugins=("grader",), result=EvalReport, existing=existing_report,
-    check=lambda config: load_grader(config.grader),  # a bad grader reference fails before anything starts
-    metrics=lambda config: logged(METRICS, "n"),  # each model's (gates: <eval>.<model>.<metric>)
+    output=REPORT, files=("data.paths", "grader", "agent", "tools"), plugins=("grader", "agent", "tools"), result=EvalReport,
+    existing=existing_report,
+    check=lambda config: check(config),  # a bad grader, agent or tools reference fails before anything starts
+    metrics=lambda config: logged(METRICS, EPISODE_METRICS if config.agent or config.tools else (), "n"),  # each model's
 )
 
 if __name__ == "__main__":

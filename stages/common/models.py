@@ -10,7 +10,8 @@ LATEST = "latest:"
 
 
 def resolve_model(spec: str, output_root: str) -> CheckpointRef:
-    """``tiny:<preset>`` builds the embedded tiny model; ``latest:<stage>`` is the most recently committed output
+    """``tiny:<preset>`` builds the embedded tiny model (``tiny:<preset>+tools``: with the tool task's tokenizer,
+    ``TinyModelConfig.tools``); ``latest:<stage>`` is the most recently committed output
     of that stage under ``output_root`` (e.g. ``latest:sft``: no run hash to copy; the resolved checkpoint's digest
     is what enters the run identity), ``latest:<stage>@<another output root>`` the same under that root (verified
     by digest, used where it is: nothing copied); anything else is a checkpoint folder, an HF model folder or a hub
@@ -18,7 +19,10 @@ def resolve_model(spec: str, output_root: str) -> CheckpointRef:
     if spec.startswith("tiny:"):
         from stages.common.tiny import TinyModelConfig, run_tiny_model
 
-        return run_tiny_model(TinyModelConfig(preset=spec.removeprefix("tiny:"), output_root=output_root))
+        preset, plus, extra = spec.removeprefix("tiny:").partition("+")
+        if plus and extra != "tools":
+            raise ValueError(f"{spec}: expected tiny:<preset> or tiny:<preset>+tools")
+        return run_tiny_model(TinyModelConfig(preset=preset, tools=bool(plus), output_root=output_root))
     if spec.startswith(LATEST):
         stage, _, root = spec.removeprefix(LATEST).partition("@")
         if root and not Path(root).expanduser().is_dir():

@@ -26,7 +26,12 @@ from stages.common.identity import StageRun, canonical_config, code_version, com
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{{ bos_token }}"
+    # tools (apply_chat_template(..., tools=schemas)): a system turn naming each with its arguments
+    "{% if tools %}<|system|>tools: {% for t in tools %}{{ t['function']['name'] }}"
+    "({{ t['function']['parameters']['properties'] | join(', ') }}){% if not loop.last %}; {% endif %}{% endfor %}"
+    "<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # name -> (hidden, layers, heads, intermediate); head size is hidden // heads = 64 throughout.
@@ -47,6 +52,7 @@ class TinyModelConfig(StageConfig):
     vocab_size: int = Field(512, description="the tokenizer's vocabulary (trained on the embedded task's text)")
     max_position_embeddings: int = Field(512, description="the longest sequence the model takes")
     seed: int = Field(0, description="initial weights and tokenizer training")
+    tools: bool = Field(False, description="a tokenizer for the built-in tool task too (datasets_prep.tool_task): trained on its calls as well, with <tool_call>, </tool_call> and <|tool|> as tokens of their own")
     output_root: str = Field("runs", description="where run folders go (<output_root>/<stage>-<run key>/)")
 
 
@@ -68,7 +74,7 @@ def run_tiny_model(config: TinyModelConfig, *, run: StageRun | None = None) -> C
     done = committed_checkpoint(run)
     if done is not None:
         return done
-    tokenizer = build_tokenizer(config.vocab_size, config.seed)
+    tokenizer = build_tokenizer(config.vocab_size, config.seed, config.tools)
     model = build_model(config, tokenizer)
     with run.claimed() as folder, staging(folder / "checkpoint") as tmp:
         dest = folder / "checkpoint"
@@ -84,8 +90,10 @@ def run_tiny_model(config: TinyModelConfig, *, run: StageRun | None = None) -> C
         )
 
 
-def build_tokenizer(vocab_size: int = 512, seed: int = 0):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(vocab_size: int = 512, seed: int = 0, tools: bool = False):
+    """``tools``: trained on the tool task's text too, its call markers added as (non-special) tokens, so the
+    calls stay in decoded text and take a few tokens each."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from datasets_prep.synthetic import corpus
@@ -105,7 +113,15 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
         "The answer is", "Compute the sum of the two numbers.", "You are a helpful assistant.",
         "Question: what is the result? Answer:", "Let me think step by step.",
     ]  # a little prose so user data in words does not fall back to single bytes everywhere
-    tok.train_from_iterator(corpus(seed) + english * 50, trainer=trainer)
+    texts = corpus(seed) + english * 50
+    if tools:
+        from datasets_prep.tool_task import TOOL_TOKENS
+        from datasets_prep.tool_task import corpus as tool_corpus
+
+        texts += tool_corpus(seed)
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tools:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",

@@ -130,3 +130,21 @@ def test_an_openrlhf_agent_trains_with_async_rl_and_every_push_verified(task_fil
         mean_hits = sum(sum(tokenizer.decode(a, skip_special_tokens=True).startswith("1")
                             for a in _spans({"token_ids": r["response_ids"], "action_mask": r["action_mask"]})) for r in rows) / len(rows)
         assert steps[step - 1]["hits"] == pytest.approx(mean_hits)
+
+
+def test_the_eval_stage_runs_the_agent_and_the_tools_on_held_out_rows_and_reports_their_metrics(task_files, micro_sft, tmp_path):
+    from stages.eval import EvalConfig, run_eval
+
+    common = {"data": {"paths": [str(task_files["eval"])], "prompt_key": "prompt", "label_key": "answer", "max_samples": 8},
+              "max_new_tokens": 6, "num_samples": 2, "pass_k": 2, "max_turns": 3, "max_model_len": 256}
+    agent = run_eval(EvalConfig.model_validate({**common, "agent": str(AGENTS / "openrlhf_shape.py"),
+                                                "output_root": str(tmp_path / "a")}), {"sft": micro_sft})
+    row = agent.metrics["sft"]
+    assert row["n"] == 8 and row["turns"] == 3.0 and row["tool_calls"] is None
+    assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["episode_reward"] <= 6.0  # 1 + 2 + 3 at most
+    assert "| sft |" in Path(agent.markdown).read_text() and "episode_reward" in Path(agent.markdown).read_text()
+    tools = run_eval(EvalConfig.model_validate({**common, "tools": str(AGENTS / "faulty_tools.py"), "tool_parser": "scripted",
+                                                "max_tool_calls": 3, "output_root": str(tmp_path / "t")}), {"sft": micro_sft})
+    row = tools.metrics["sft"]
+    assert (row["turns"], row["tool_calls"], row["tool_failures"]) == (2.0, 3.0, 2.0)
+    assert "tool_failures" in Path(tools.markdown).read_text()
