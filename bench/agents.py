@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     env_floor = turns * sleep_s
     print(f"{n} episodes x {turns} turns, environment {sleep_s * 1000:.0f} ms a step, {max_new} new tokens an action "
           f"(in-flight floor: {env_floor:.1f} s of environment per episode, serial: {n * env_floor:.1f} s)")
-    print(f"| variant | seconds | actions | episodes/s | speed-up |\n|---|---|---|---|---|")
+    print("| variant | seconds | actions | episodes/s | speed-up |\n|---|---|---|---|---|")
     for r in results:
         print(f"| {r['variant']} | {r['seconds']} | {r['actions']} | {r['episodes_per_s']} | {r['speedup_vs_lockstep']}x |")
     OUT.parent.mkdir(exist_ok=True)

@@ -9,7 +9,9 @@ Run: ``python -m bench.rl_gain [sft=PATH] [critic=PATH] [steps=60] [estimators=r
 (``critic``: the checkpoint gae's critic starts from, e.g. the reward model stage's; default: the SFT policy;
 ``out``: the JSON to write, default bench/results/rl_gain.json)
 (remaining ``key=value`` arguments override recipes/rl/tiny.yaml; the multi-turn example:
-``estimators=reinforce_baseline rollout.agent=recipes/agents/arithmetic_retry.py reward.func=null out=bench/results/rl_gain_agent.json``)
+``estimators=reinforce_baseline rollout.agent=recipes/agents/arithmetic_retry.py reward.func=null out=bench/results/rl_gain_agent.json``;
+the tool task: ``recipe=recipes/rl/tools.yaml sft_recipe=recipes/sft/tools.yaml estimators=group_norm steps=30
+out=bench/results/rl_gain_tools.json``)
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def timeline(metrics: list[dict], wall: float, before: float) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.split("=", 1)[0] in ("sft", "critic", "steps", "estimators", "root", "out")}
+    opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.split("=", 1)[0] in ("sft", "critic", "steps", "estimators", "root", "out", "recipe", "sft_recipe")}
     overrides = [a for a in args if a.split("=", 1)[0] not in opts]
     root = opts.get("root", "runs")
     if "sft" in opts:
@@ -54,11 +56,11 @@ def main(argv: list[str] | None = None) -> None:
         from stages.common.models import resolve_model
         from stages.sft import SFTConfig, run_sft
 
-        cfg = load_config(SFTConfig, [str(ROOT / "recipes/sft/tiny.yaml"), f"output_root={root}"])
+        cfg = load_config(SFTConfig, [str(ROOT / opts.get("sft_recipe", "recipes/sft/tiny.yaml")), f"output_root={root}"])
         sft = run_sft(cfg, resolve_model(cfg.base, root))
     rows = []
     for est in opts.get("estimators", "reinforce_baseline,group_norm,gae").split(","):
-        cfg = load_config(RLConfig, [str(ROOT / "recipes/rl/tiny.yaml"), f"output_root={root}", f"max_steps={opts.get('steps', 60)}",
+        cfg = load_config(RLConfig, [str(ROOT / opts.get("recipe", "recipes/rl/tiny.yaml")), f"output_root={root}", f"max_steps={opts.get('steps', 60)}",
                                      f"algo.advantage_estimator={est}", "train.progress_bar=false", *overrides])
         t = time.time()
         ref = run_rl(cfg, sft, critic=load_ref(opts["critic"]) if "critic" in opts else None)
@@ -81,8 +83,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {k}: {b} -> {a}")
     out = Path(opts.get("out", OUT))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"sft": sft.path, "overrides": overrides, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"sft": sft.path, "recipe": opts.get("recipe", "recipes/rl/tiny.yaml"), "overrides": overrides,
+                               "machine": _cpu(), "rows": rows}, indent=2))
     print(f"wrote {out}")
+
+
+def _cpu() -> str:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor()
 
 
 if __name__ == "__main__":
