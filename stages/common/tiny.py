@@ -31,7 +31,10 @@ CHAT_TEMPLATE = (
     "{% if tools %}<|system|>tools: {% for t in tools %}{{ t['function']['name'] }}"
     "({{ t['function']['parameters']['properties'] | join(', ') }}){% if not loop.last %}; {% endif %}{% endfor %}"
     "<|end|>{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    # an assistant turn's tool_calls (TRL's and OpenAI's message form) in the Hermes format the tool task uses
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
+    "<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # name -> (hidden, layers, heads, intermediate); head size is hidden // heads = 64 throughout.

@@ -148,3 +148,28 @@ def test_the_eval_stage_runs_the_agent_and_the_tools_on_held_out_rows_and_report
     row = tools.metrics["sft"]
     assert (row["turns"], row["tool_calls"], row["tool_failures"]) == (2.0, 3.0, 2.0)
     assert "tool_failures" in Path(tools.markdown).read_text()
+
+
+def test_tools_only_rl_scores_episodes_with_the_reward_function_and_logs_their_calls(task_files, micro_sft, tokenizer, tmp_path):
+    """No agent: the reward function scores each episode's decoded text (its special tokens kept, so the turns stay
+    apart), and the tools' counts are logged beside the function's own metrics, all declared at planning."""
+    from stages.rl.driver import run_rl
+    from stages.rl.preflight import logged_metrics
+    from tests.conftest import metrics
+    from tests.integration.test_rl import _config
+
+    reward = tmp_path / "count_tool_turns.py"
+    reward.write_text(
+        "def reward_func(queries, prompts, labels):\n"
+        "    r = [float(q[len(p):].count('<|tool|>')) for q, p in zip(queries, prompts)]\n"
+        "    return {'rewards': r, 'extra_logs': {'tool_turns': r}}\n")
+    cfg = _config(task_files, tmp_path, reward, "max_steps=1", "train.world_size=1", "train.zero_stage=2",
+                  "rollout.n_samples_per_prompt=4", "train.train_batch_size=32", "train.micro_train_batch_size=32",
+                  f"rollout.tools={AGENTS / 'faulty_tools.py'}", "rollout.tool_parser=scripted", "rollout.max_tool_calls=3",
+                  "rollout.max_turns=3", "log_rollouts_every=1")
+    declared = logged_metrics(cfg)
+    assert {"tool_calls", "tool_failures_boom", "turns", "tool_turns"} <= declared.names and declared.open is None
+    ref = run_rl(cfg, micro_sft)
+    (step,) = metrics(ref)
+    assert (step["tool_calls"], step["tool_failures"], step["turns"]) == (3.0, 2.0, 2.0)
+    assert step["tool_turns"] == step["reward_mean"] == 3.0  # three tool messages, each seen by the reward function
