@@ -22,7 +22,7 @@ PORT ?= 4200
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: setup run serve server deploy worker nightly test test-unit lint bench bench-rl-gain bench-pipeline bench-cluster clean
+.PHONY: setup run serve server deploy worker nightly test test-unit lint bench bench-rl-gain bench-pipeline bench-cluster bench-agents clean
 
 setup: $(STAMP)
 
@@ -90,6 +90,13 @@ bench-pipeline: setup
 # the SFT stage on one machine vs on a two-node local Ray cluster (BEFORE=<another checkout> adds its one-machine row)
 bench-cluster: setup
 	$(PY) -m bench.cluster $(if $(BEFORE),before=$(BEFORE))
+
+# agent episodes in flight vs the lockstep loop; the tool task through TRL's GRPO tool loop too (TOOL_MODEL=<a
+# checkpoint that calls the calculator>, default latest:rl, e.g. after recipes/pipelines/tools.yaml)
+bench-agents: setup
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev,bench]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m bench.agents $(if $(TOOL_MODEL),tool_model=$(TOOL_MODEL))
 
 clean:
 	rm -rf runs .cache .prefect

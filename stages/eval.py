@@ -259,6 +259,7 @@ def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader)
     environment tokens the KL estimate leaves out."""
     from datasets_prep.sft import render_prompt
     from stages.common.generation import request_seed
+    from stages.rl.agents import last_answer
     from stages.rl.episodes import EpisodeRunner, Job, Spec
     from stages.rl.tools import load_tools
 
@@ -303,16 +304,6 @@ def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader)
         out["samples"] = [[e.prompt_ids, e.token_ids, e.action_mask] for group in sampled for e in group]
         out["sample_logps"] = _response_logps(llm, out["samples"])
     return out
-
-
-def last_answer(tokenizer, episode) -> str:
-    """The text of an episode's last action (the model's answer after its tool calls)."""
-    last: list[int] = []
-    for t, m in zip(episode.token_ids, episode.action_mask, strict=True):
-        if m and last and last[-1] is None:
-            last = []
-        last.append(t if m else None)
-    return tokenizer.decode([t for t in last if t is not None], skip_special_tokens=True)
 
 
 def _response_logps(llm, samples: list[list[list[int]]]) -> list[float]:

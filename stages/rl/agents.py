@@ -396,6 +396,16 @@ class Episode(Completion):
     info: dict[str, float] = field(default_factory=dict)
 
 
+def last_answer(tokenizer, episode: Episode) -> str:
+    """The text of an episode's last action (the model's answer after its tool calls), special tokens skipped."""
+    last: list[int] = []
+    for t, m in zip(episode.token_ids, episode.action_mask, strict=True):
+        if m and last and last[-1] is None:
+            last = []
+        last.append(t if m else None)
+    return tokenizer.decode([t for t in last if t is not None], skip_special_tokens=True)
+
+
 def episode_of(result: Any, tok, with_logprobs: bool, where: str) -> Episode:
     """An executor's episode dict (OpenRLHF's keys) as an :class:`Episode`, checked."""
     if not isinstance(result, dict) or not {"observation_tokens", "action_ranges"} <= set(result):

@@ -114,8 +114,10 @@ class EpisodeEngine:
     """The ``llm_engine`` an executor gets for one episode: ``generate(token_ids, sampling_params)`` returns a vLLM
     ``RequestOutput``; each call samples with its own seed (the episode's seed, hashed with the call's number)."""
 
-    def __init__(self, queue: RequestQueue, job: Job, settings: EpisodeSettings, render):
-        self.queue, self.job, self.settings, self.render = queue, job, settings, render
+    def __init__(self, queue: RequestQueue, job: Job, settings: EpisodeSettings, render, logprobs: bool = False):
+        """``logprobs``: the run keeps the engine's log-probs, so every action asks for them (whatever sampling
+        params an agent's step hands back)."""
+        self.queue, self.job, self.settings, self.render, self.logprobs = queue, job, settings, render, logprobs
         self.raw_prompt, self.calls = job.raw_prompt, 0
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
@@ -123,6 +125,8 @@ class EpisodeEngine:
             raise AgentError(f"{self.settings.where}: images in an episode are not supported yet")
         params = copy(sampling_params)
         params.seed = request_seed(self.job.seed, self.calls)
+        if self.logprobs and params.logprobs is None:
+            params.logprobs = 0
         self.calls += 1
         return await self.queue.generate(list(prompt_token_ids), params)
 
@@ -171,7 +175,7 @@ class EpisodeRunner:
                 where = f"{name}: row {job.row}"
                 settings = EpisodeSettings(spec.max_turns, spec.max_new_tokens, spec.env_timeout_s, tools, parser,
                                            spec.max_tool_calls, pool, where)
-                engine = EpisodeEngine(queue, job, settings, render)
+                engine = EpisodeEngine(queue, job, settings, render, spec.logprobs)
                 if agent is None:
                     result = await run_episode(None, job.prompt, job.label, params, spec.max_model_len, self.tok, engine)
                 else:

@@ -191,8 +191,10 @@ class Sampler:
         samples = Samples.of(started.idx, groups, self.tok.pad_token_id, with_logp=False)
         if grader is not None:
             from stages.common.graders import grade
+            from stages.rl.agents import last_answer
 
-            hits = [grade(grader, self.tok.decode(r, skip_special_tokens=True), row[data.label_key], f"eval row {i + 1}")
-                    for i, (r, row) in enumerate(zip(samples.response_ids, rows, strict=True))]
+            texts = [last_answer(self.tok, c) if isinstance(self.kind, Episodes) else self.tok.decode(c.token_ids, skip_special_tokens=True)
+                     for c in samples.completions]  # an episode: its last answer, after its tool calls
+            hits = [grade(grader, t, row[data.label_key], f"eval row {i + 1}") for i, (t, row) in enumerate(zip(texts, rows, strict=True))]
             return {"eval_accuracy": sum(hits) / len(hits)}
         return self.rewards.source.held_out(self.rewards.score(rows, samples))
