@@ -31,6 +31,18 @@ def test_the_shipped_pipeline_plans(tmp_path):
     assert all(s.config.output_root == str(tmp_path) for s in p.stages)
 
 
+def test_the_tool_task_pipeline_plans_with_its_tools_metrics_declared(tmp_path):
+    p = plan(ROOT / "recipes/pipelines/tools.yaml", output_root=str(tmp_path))
+    by = {s.spec.name: s for s in p.stages}
+    assert list(by) == ["base", "sft", "rl", "eval"] and by["base"].config.tools
+    assert by["rl"].config.rollout.tools == by["eval"].config.tools == "recipes/tools/calculator.py"
+    from stages import registry
+
+    declared = registry.spec("rl").metrics(by["rl"].config)
+    assert {"tool_calls", "tool_calls_calculator", "eval_tool_calls", "turns", "called_tool"} <= declared.names
+    assert {"tool_calls", "turns", "episode_reward"} <= registry.spec("eval").metrics(by["eval"].config).names
+
+
 def test_the_own_model_recipe_plans_offline_with_hub_ids(tmp_path, monkeypatch):
     """The README's recipe for a user's own model and data: planning reads no model or dataset."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
