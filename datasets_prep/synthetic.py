@@ -158,10 +158,15 @@ def generate(seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, li
 
 def write_task_files(folder: str | Path, seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, Path]:
     """Write one JSONL file per split into ``folder``; returns split -> path."""
+    return write_splits(folder, generate(seed, sizes))
+
+
+def write_splits(folder: str | Path, splits: dict[str, list[dict]]) -> dict[str, Path]:
+    """One JSONL file per split in ``folder`` (each written whole, then renamed into place); split -> path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for split, rows in generate(seed, sizes).items():
+    for split, rows in splits.items():
         path = folder / f"{split}.jsonl"
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))

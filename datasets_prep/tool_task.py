@@ -75,16 +75,9 @@ def generate(seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, li
 
 def write_tool_task_files(folder: str | Path, seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, Path]:
     """One JSONL file per split in ``folder``; split -> path."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, rows in generate(seed, sizes).items():
-        path = folder / f"{split}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
-        paths[split] = path
-    return paths
+    from datasets_prep.synthetic import write_splits
+
+    return write_splits(folder, generate(seed, sizes))
 
 
 def corpus(seed: int = 0, n: int = 1000) -> list[str]:
