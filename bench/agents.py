@@ -5,7 +5,7 @@
 - ``lockstep-serial``: a faithful replay of the earlier code path (and of TRL's GRPO tool loop, which has the same
   shape): each turn, one batched engine call for every live episode, then each episode's environment step called
   one after another;
-- ``in-flight (sync env)`` / ``in-flight (async env)``: ``stages.rl.episodes`` (each episode a coroutine, each
+- ``in-flight (sync env)`` / ``in-flight (async env)``: ``stages.common.episodes`` (each episode a coroutine, each
   action its own vLLM request, the sync step in a thread pool; the async one awaited);
 - ``engine alone``: the same episodes with an environment that answers at once (generation's own limit).
 
@@ -14,7 +14,7 @@ The tool task (``tool_model=PATH``: a checkpoint that calls the calculator, e.g.
 ``datasets_prep.tool_task``, the calculator answering in 200 ms, through
 
 - ``lockstep-serial`` (the replay above, with the tool calls parsed and answered one after another),
-- ``in-flight`` (``stages.rl.episodes``, tools only),
+- ``in-flight`` (``stages.common.episodes``, tools only),
 - ``TRL GRPOTrainer (tools=)``: TRL's own tool loop, timed around its ``_generate`` inside a one-step
   ``GRPOTrainer.train()`` (transformers generation on CPU, the tool called in turn for each completion, then
   one batched regeneration; TRL's way to render and parse calls: the chat template's ``tool_calls`` and a
@@ -115,9 +115,9 @@ def lockstep_tools(llm, tok, tools, prompts: list[str], max_new_tokens: int, max
     """The lockstep replay on tool episodes: per turn one batched generate, then each episode's calls in turn."""
     import asyncio
 
+    from stages.common.agents import EpisodeSettings, continuation
     from stages.common.generation import generate
-    from stages.rl.agents import EpisodeSettings, continuation
-    from stages.rl.tools import ToolCalls
+    from stages.common.tools import ToolCalls
 
     contexts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     counters = [ToolCalls(tools, None, max_calls) for _ in prompts]
@@ -181,10 +181,10 @@ def agents_rank(job: dict, rank: int, world_size: int) -> dict:
     from transformers import AutoTokenizer
 
     from datasets_prep.loading import DataConfig
+    from stages.common.episodes import EpisodeRunner, Job, Spec
     from stages.common.generation import make_llm
     from stages.common.models import resolve_model
     from stages.common.plugins import load_module
-    from stages.rl.episodes import EpisodeRunner, Job, Spec
 
     n, turns, sleep_s, max_new, root = job["episodes"], job["turns"], job["sleep_s"], job["max_new_tokens"], job["root"]
     model = resolve_model("tiny:tiny", root).path
@@ -265,10 +265,10 @@ def tool_task(args: dict, root: str, n: int, sleep_s: float) -> list[dict] | Non
     from datasets_prep.loading import DataConfig
     from datasets_prep.sft import render_prompt
     from datasets_prep.tool_task import schemas
+    from stages.common.episodes import EpisodeRunner, Job, Spec
     from stages.common.generation import make_llm
     from stages.common.models import resolve_model
-    from stages.rl.episodes import EpisodeRunner, Job, Spec
-    from stages.rl.tools import load_tools
+    from stages.common.tools import load_tools
 
     try:
         model = resolve_model(args.get("tool_model", "latest:rl"), str(Path(__file__).resolve().parents[1] / "runs")).path

@@ -37,7 +37,7 @@ def tool_call(expression: str) -> str:
 
 
 def schemas() -> list[dict]:
-    from stages.rl.tools import load_tools
+    from stages.common.tools import load_tools
 
     return load_tools(str(Path(__file__).resolve().parents[1] / "recipes" / "tools" / "calculator.py")).schemas
 

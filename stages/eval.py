@@ -254,14 +254,14 @@ def generate_rank(job: dict, rank: int, world_size: int) -> dict:
 
 def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader) -> dict:
     """``generate_rank`` with an agent or tools: each row a greedy episode (and ``num_samples`` sampled ones for
-    pass@k), every episode in flight at once (``stages.rl.episodes``). Success: the agent's score, or (tools only)
+    pass@k), every episode in flight at once (``stages.common.episodes``). Success: the agent's score, or (tools only)
     the grader on the episode's last answer; the response: the whole trajectory after the prompt, whose
     environment tokens the KL estimate leaves out."""
     from datasets_prep.sft import render_prompt
+    from stages.common.agents import last_answer
+    from stages.common.episodes import EpisodeRunner, Job, Spec
     from stages.common.generation import request_seed
-    from stages.rl.agents import last_answer
-    from stages.rl.episodes import EpisodeRunner, Job, Spec
-    from stages.rl.tools import load_tools
+    from stages.common.tools import load_tools
 
     data = config.data
     schemas = load_tools(config.tools).schemas if config.tools else None
@@ -350,11 +350,11 @@ def check(config: EvalConfig) -> None:
     """Before anything starts: the grader, the agent and the tools load."""
     load_grader(config.grader)
     if config.agent:
-        from stages.rl.agents import load_agent
+        from stages.common.agents import load_agent
 
         load_agent(config.agent)
     if config.tools:
-        from stages.rl.tools import load_tools
+        from stages.common.tools import load_tools
 
         load_tools(config.tools)
 

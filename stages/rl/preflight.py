@@ -34,7 +34,7 @@ def plugins(config: RLConfig):
     starts): ``(agent, grader, tools)``."""
     agent = grader = tools = None
     if config.rollout.agent:
-        from stages.rl.agents import load_agent
+        from stages.common.agents import load_agent
 
         agent = load_agent(config.rollout.agent)
     if config.eval_grader:
@@ -42,12 +42,12 @@ def plugins(config: RLConfig):
 
         grader = load_grader(config.eval_grader)
     if config.rollout.tools:
-        from stages.rl.tools import PARSERS, ToolError, load_tools
+        from stages.common.tools import PARSERS, ToolError, load_tools
 
         tools = load_tools(config.rollout.tools)  # (a file may register its own parser)
         if config.rollout.tool_parser not in PARSERS:
             raise ToolError(f"rollout.tool_parser: {config.rollout.tool_parser!r} is not a tool-call parser; known: "
-                            f"{', '.join(sorted(PARSERS))} (stages.rl.tools.register_parser adds one)")
+                            f"{', '.join(sorted(PARSERS))} (stages.common.tools.register_parser adds one)")
     return agent, grader, tools
 
 
@@ -132,7 +132,7 @@ def logged_metrics(config: RLConfig) -> Logged:
     open_ = None
     episode: list[str] = []
     if config.rollout.agent or config.rollout.tools:
-        from stages.rl.tools import load_tools, tool_metrics
+        from stages.common.tools import load_tools, tool_metrics
 
         episode = ["turns", *(tool_metrics(load_tools(config.rollout.tools).names) if config.rollout.tools else [])]
         held_out += [f"eval_{k}" for k in episode]

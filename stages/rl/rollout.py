@@ -89,12 +89,12 @@ class RolloutEngine:
         return generate(self.llm, prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=logprobs)
 
     def run_episodes(self, jobs: list, spec) -> list:
-        """Agent episodes, every one in flight at once (``stages.rl.episodes``): :class:`stages.rl.agents.Episode` s
+        """Agent episodes, every one in flight at once (``stages.common.episodes``): :class:`stages.common.agents.Episode` s
         in the order of ``jobs``."""
         if self._episodes is None:
             from transformers import AutoTokenizer
 
-            from stages.rl.episodes import EpisodeRunner
+            from stages.common.episodes import EpisodeRunner
 
             self._episodes = EpisodeRunner(self.llm, AutoTokenizer.from_pretrained(self.model_path))
         return self._episodes.run(jobs, spec)

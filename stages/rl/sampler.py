@@ -54,14 +54,14 @@ class SingleTurn:
 
 
 class Episodes:
-    """Agent (or tools) episodes (``stages.rl.agents``), every one in flight at once in the engines' processes
-    (``stages.rl.episodes``): started with the step, so async training samples them ahead like single-turn ones."""
+    """Agent (or tools) episodes (``stages.common.agents``), every one in flight at once in the engines' processes
+    (``stages.common.episodes``): started with the step, so async training samples them ahead like single-turn ones."""
 
     def __init__(self, engines: EnginePool, render: Callable[[Any], str], cfg: RLConfig):
         self.engines, self.render, self.cfg = engines, render, cfg
 
     def spec(self, temperature: float, logprobs: bool, data):
-        from stages.rl.episodes import Spec
+        from stages.common.episodes import Spec
 
         ro = self.cfg.rollout
         return Spec(ro.agent, ro.tools, ro.tool_parser, ro.max_tool_calls, ro.max_turns, ro.max_new_tokens, ro.max_model_len,
@@ -69,8 +69,8 @@ class Episodes:
 
     def jobs(self, idx: list[int], rows: list[dict], data, n: int, seed: int) -> list[list]:
         """A group of ``n`` jobs per row (``idx``: the rows' numbers in their data), each episode with its own seed."""
+        from stages.common.episodes import Job
         from stages.common.generation import request_seed
-        from stages.rl.episodes import Job
 
         return [[Job(i + 1, self.render(row[data.prompt_key], data), row[data.prompt_key], row.get(data.label_key),
                      request_seed(seed, g * n + j)) for j in range(n)]
@@ -190,8 +190,8 @@ class Sampler:
         groups = self.kind.finish(started, rows, data, 1, 0.0, False)
         samples = Samples.of(started.idx, groups, self.tok.pad_token_id, with_logp=False)
         if grader is not None:
+            from stages.common.agents import last_answer
             from stages.common.graders import grade
-            from stages.rl.agents import last_answer
 
             texts = [last_answer(self.tok, c) if isinstance(self.kind, Episodes) else self.tok.decode(c.token_ids, skip_special_tokens=True)
                      for c in samples.completions]  # an episode: its last answer, after its tool calls

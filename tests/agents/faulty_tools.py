@@ -1,7 +1,7 @@
 """Test tools: ``add`` works, ``boom`` raises. The micro model writes no tool calls of its own, so the ``scripted``
 parser (a test hook) reads every action as the same three calls: ``add(2, 3)``, one that is not JSON, ``boom``."""
 
-from stages.rl.tools import parse_hermes, register_parser
+from stages.common.tools import parse_hermes, register_parser
 
 
 def add(a: int, b: int) -> int:

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from stages.rl.agents import AgentInstanceBase, MultiTurnAgentExecutor
+from stages.common.agents import AgentInstanceBase, MultiTurnAgentExecutor
 
 TURNS = 3
 FEEDBACK = {"role": "user", "content": "again"}

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from stages.common.episodes import Job
 from stages.common.errors import StageFailed
 from stages.common.launcher import launch
-from stages.rl.episodes import Job
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def test_openrlhf_agent_episodes_in_flight_sum_their_rewards_and_repeat_whatever
     rows = [("7+8", "15"), ("12+30", "42"), ("1+1", "2"), ("50+50", "100")]
     jobs = _jobs(tokenizer, rows, n=4)
     spec = _spec(agent=str(AGENTS / "openrlhf_shape.py"))
-    out = launch("stages.rl.episodes:episodes_rank", {"model": micro_sft.path, "runs": [{"jobs": jobs, "spec": spec}] * 2},
+    out = launch("stages.common.episodes:episodes_rank", {"model": micro_sft.path, "runs": [{"jobs": jobs, "spec": spec}] * 2},
                  1, tmp_path)
     first, second = (r["episodes"] for r in out["runs"])
     # each action samples with its own seed: the same episodes whatever order the random sleeps finished them in
@@ -83,18 +83,18 @@ def test_a_hung_environment_fails_the_episodes_at_its_deadline_naming_the_row_an
     spec = _spec(agent=str(AGENTS / "hangs.py"), env_timeout_s=2.0)
     t = time.monotonic()
     with pytest.raises(StageFailed, match=r"rollout.agent .*hangs.py: row 2: step 1 gave no answer within 2 s \(rollout.env_timeout_s\)"):
-        launch("stages.rl.episodes:episodes_rank", {"model": micro_sft.path, "runs": [{"jobs": jobs, "spec": spec}]}, 1, tmp_path)
+        launch("stages.common.episodes:episodes_rank", {"model": micro_sft.path, "runs": [{"jobs": jobs, "spec": spec}]}, 1, tmp_path)
     assert time.monotonic() - t < 120  # the engine's start-up, then the deadline; not the hour the environment sleeps
 
 
 def test_tool_calls_are_parsed_answered_and_counted_with_a_malformed_call_and_a_raising_tool(micro_sft, tokenizer, tmp_path):
-    from stages.rl.agents import continuation
-    from stages.rl.tools import load_tools
+    from stages.common.agents import continuation
+    from stages.common.tools import load_tools
 
     tools = load_tools(str(AGENTS / "faulty_tools.py"))
     jobs = _jobs(tokenizer, [("7+8", "15"), ("2+2", "4")], n=2, tools=tools.schemas)
     spec = _spec(tools=str(AGENTS / "faulty_tools.py"), tool_parser="scripted", max_tool_calls=3)
-    out = launch("stages.rl.episodes:episodes_rank", {"model": micro_sft.path, "runs": [{"jobs": jobs, "spec": spec}]}, 1, tmp_path)
+    out = launch("stages.common.episodes:episodes_rank", {"model": micro_sft.path, "runs": [{"jobs": jobs, "spec": spec}]}, 1, tmp_path)
     answers = continuation(tokenizer, [
         {"role": "tool", "name": "add", "content": "5"},
         {"role": "tool", "name": "unknown", "content": "Error: the tool call is not JSON (Expecting property name enclosed in double quotes at character 1): {not json}"},

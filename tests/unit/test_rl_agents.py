@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.common.generation import Completion
-from stages.rl.agents import (
+from stages.common.agents import (
     AgentError,
     ObservationTokens,
     check_step_answer,
@@ -18,6 +17,7 @@ from stages.rl.agents import (
     episode_of,
     load_agent,
 )
+from stages.common.generation import Completion
 from stages.rl.config import RLConfig
 from stages.rl.experience import Samples
 
@@ -93,7 +93,7 @@ def test_every_agent_shape_loads_and_an_unchanged_openrlhf_import_is_named(tmp_p
     assert load_agent(str(AGENTS / "openrlhf_shape.py")).kind == "executor"
     assert load_agent("recipes/agents/arithmetic_retry.py").kind == "functions"
     only_instance = tmp_path / "instance.py"
-    only_instance.write_text("from stages.rl.agents import AgentInstanceBase\n"
+    only_instance.write_text("from stages.common.agents import AgentInstanceBase\n"
                              "class AgentInstance(AgentInstanceBase):\n    async def step(self, states):\n        return {}\n")
     assert load_agent(str(only_instance)).kind == "instance"
     foreign = tmp_path / "foreign.py"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.rl.agents import EnvironmentTimeout, EpisodeSettings
-from stages.rl.tools import ToolCall, ToolCalls, ToolError, load_tools, parse_hermes
+from stages.common.agents import EnvironmentTimeout, EpisodeSettings
+from stages.common.tools import ToolCall, ToolCalls, ToolError, load_tools, parse_hermes
 
 AGENTS = Path(__file__).resolve().parents[1] / "agents"
 

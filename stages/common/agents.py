@@ -4,7 +4,7 @@
 
 **OpenRLHF's classes** (a file written for OpenRLHF runs after changing its import line to this module)::
 
-    from stages.rl.agents import AgentInstanceBase, MultiTurnAgentExecutor
+    from stages.common.agents import AgentInstanceBase, MultiTurnAgentExecutor
 
     class AgentInstance(AgentInstanceBase):        # one per episode
         async def reset(self, states):             # {"observation": the prompt's text, "label": ...}
@@ -37,7 +37,7 @@ summed rewards), the rest of the last ``info`` logged (NaN: not counted).
 Either way an episode runs until done, ``rollout.max_turns`` actions, or until the context would leave fewer than
 ``max_new_tokens`` of ``max_model_len`` (the feedback after the last action is not appended). Token in, token
 out: the trajectory is the prompt's ids, each action's ids exactly as vLLM sampled them, each observation's ids;
-the loss covers the actions only. Every episode is its own coroutine (``stages.rl.episodes``); every environment
+the loss covers the actions only. Every episode is its own coroutine (``stages.common.episodes``); every environment
 call (reset, step, a tool) is awaited under ``rollout.env_timeout_s``; sync ones run in a thread pool.
 """
 
@@ -180,7 +180,7 @@ class EpisodeSettings:
     max_turns: int = 1_000_000
     max_new_tokens: int | None = None  # None: the sampling params' max_tokens
     env_timeout_s: float | None = None
-    tools: Any = None  # stages.rl.tools.Tools
+    tools: Any = None  # stages.common.tools.Tools
     parser: Callable[[str], list] | None = None
     max_tool_calls: int = 0
     pool: Any = None  # a ThreadPoolExecutor for sync environment calls (None: asyncio's default)
@@ -221,7 +221,7 @@ async def run_episode(instance: AgentInstanceBase | None, prompt: str, label, sa
 
 
 async def _episode(instance, prompt, label, sampling_params, max_length, tok, engine, s: EpisodeSettings) -> dict:
-    from stages.rl.tools import ToolCalls
+    from stages.common.tools import ToolCalls
 
     max_new = s.max_new_tokens or sampling_params.max_tokens
     obs = prompt

@@ -20,8 +20,8 @@ from copy import copy
 from dataclasses import dataclass
 from typing import Any
 
+from stages.common.agents import AgentError, EpisodeSettings, episode_of
 from stages.common.generation import request_seed
-from stages.rl.agents import AgentError, EpisodeSettings, episode_of
 
 
 @dataclass
@@ -140,8 +140,8 @@ class EpisodeRunner:
         self.last_steps = 0  # the engine steps the last call took
 
     def _load(self, spec: Spec):
-        from stages.rl.agents import load_agent
-        from stages.rl.tools import PARSERS, load_tools
+        from stages.common.agents import load_agent
+        from stages.common.tools import PARSERS, load_tools
 
         key = (spec.agent, spec.tools)
         if key not in self._loaded:
@@ -152,14 +152,14 @@ class EpisodeRunner:
         return agent, tools, PARSERS[spec.tool_parser]
 
     def run(self, jobs: list[Job], spec: Spec) -> list:
-        """The episodes of ``jobs``, in order (:class:`stages.rl.agents.Episode`); the first failure stops them all."""
+        """The episodes of ``jobs``, in order (:class:`stages.common.agents.Episode`); the first failure stops them all."""
         return asyncio.run(self._run(jobs, spec))
 
     async def _run(self, jobs: list[Job], spec: Spec) -> list:
         from vllm import SamplingParams
 
         from datasets_prep.sft import render_prompt
-        from stages.rl.agents import run_episode
+        from stages.common.agents import run_episode
 
         agent, tools, parser = self._load(spec)
         queue = RequestQueue(self.llm)

@@ -139,7 +139,7 @@ class ToolCalls:
 
     async def answer(self, calls: list[ToolCall], settings, where: str) -> list[dict]:
         """Each call's answer as a ``tool`` message: the tool's result, or the error text of a call that failed."""
-        from stages.rl.agents import EnvironmentTimeout, call
+        from stages.common.agents import EnvironmentTimeout, call
 
         messages = []
         for c in calls:
