@@ -137,8 +137,27 @@ def launch(target: str, job: dict, world_size: int, run_dir: str | Path, timeout
     return json.loads(result.read_text()) if result.is_file() else {}
 
 
+PORT_TAKEN = "Address already in use (while attempting to bind on address"
+START_ATTEMPTS = 3
+
+
 def _run_local(target: str, job_path: Path, world_size: int, run_dir: Path, timeout_s: float | None,
                env: dict[str, str] | None, output: Path | None = None) -> None:
+    """The ranks as local processes. The group's rendezvous port is picked free here and bound by rank 0 a moment
+    later; if another process took it meanwhile (rank 0 fails binding it, before any work), the ranks start again
+    on another port, at most ``START_ATTEMPTS`` times."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start_ranks(target, job_path, world_size, run_dir, timeout_s, env, output)
+        except StageFailed as e:
+            if PORT_TAKEN not in str(e) or "rendezvous_store" not in str(e) or attempt == START_ATTEMPTS:
+                raise
+            for stale in run_dir.glob("rank*.error"):
+                stale.unlink(missing_ok=True)
+
+
+def _start_ranks(target: str, job_path: Path, world_size: int, run_dir: Path, timeout_s: float | None,
+                 env: dict[str, str] | None, output: Path | None = None) -> None:
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs = []

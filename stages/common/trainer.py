@@ -46,8 +46,10 @@ def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout):
     if rank != 0:
         return dist.TCPStore(host, port, world_size, False, timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, port), family=family, backlog=max(128, world_size))
+    # alone, a rank needs no agreed port: the kernel's free one cannot have been taken since it was picked
+    listener = socket.create_server((host, 0 if world_size == 1 else port), family=family, backlog=max(128, world_size))
     _LISTENERS.append(listener)
+    port = listener.getsockname()[1]
     return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=listener.fileno())
 
 
