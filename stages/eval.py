@@ -143,9 +143,6 @@ def run_eval(
             scores = launch("stages.eval:score_rank", job, 1, folder / "score", timeout_s=config.timeout_s, cluster=config.cluster,
                             inputs=[r.path for r in (reward_model, reference) if r is not None])
         metrics = {label: _row(generated[label], scores.get(label, {})) for label in models}
-        if config.agent or config.tools:
-            for label in models:
-                metrics[label].update({m: generated[label]["episodes"].get(m) for m in EPISODE_METRICS})
         return write_report(folder, config, metrics)
 
 
@@ -164,7 +161,8 @@ def _labelled(models: Mapping[str, CheckpointRef] | Sequence[CheckpointRef]) -> 
 def _row(generated: dict, scored: dict) -> dict:
     """One model's row of the report, from its generation rank's answer and the scoring rank's."""
     return {"accuracy": generated["accuracy"], "pass@k": generated["pass_at_k"], "response_length": generated["response_length"],
-            "reward": scored.get("reward"), "kl_to_reference": scored.get("kl_to_reference"), "n": generated["n"]}
+            "reward": scored.get("reward"), "kl_to_reference": scored.get("kl_to_reference"), "n": generated["n"],
+            **generated.get("episodes", {})}  # with an agent or tools: EPISODE_METRICS
 
 
 def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> EvalReport:
@@ -246,10 +244,27 @@ def generate_rank(job: dict, rank: int, world_size: int) -> dict:
                            n=config.num_samples, seed=config.seed)
         hits = [sum(grade(grader, c.text, a, f"row {i + 1}") >= 1.0 for c in group)
                 for i, (group, a) in enumerate(zip(sampled, labels, strict=True))]
-        out["pass_at_k"] = sum(pass_at_k(config.num_samples, c, config.pass_k) for c in hits) / len(hits)
+        out["pass_at_k"] = _mean_pass_at_k(config, hits)
         out["samples"] = [[c.prompt_ids, c.token_ids] for group in sampled for c in group]
         out["sample_logps"] = _response_logps(llm, out["samples"])
     return out
+
+
+def _mean_pass_at_k(config: EvalConfig, hits: list[int]) -> float:
+    """The mean pass@k over the prompts, from each prompt's count of right samples among ``num_samples``."""
+    return sum(pass_at_k(config.num_samples, c, config.pass_k) for c in hits) / len(hits)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _episode_means(episodes: list, tools: bool) -> dict[str, float | None]:
+    """EPISODE_METRICS over the greedy episodes (the tool counts None without tools)."""
+    return {"episode_reward": _mean([e.reward for e in episodes if e.reward is not None]),
+            "turns": _mean([float(e.turns) for e in episodes]),
+            "tool_calls": _mean([e.info["tool_calls"] for e in episodes]) if tools else None,
+            "tool_failures": _mean([e.info["tool_failures"] for e in episodes]) if tools else None}
 
 
 def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader) -> dict:
@@ -259,8 +274,7 @@ def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader)
     environment tokens the KL estimate leaves out."""
     from datasets_prep.sft import render_prompt
     from stages.common.agents import last_answer
-    from stages.common.episodes import EpisodeRunner, Job, Spec
-    from stages.common.generation import request_seed
+    from stages.common.episodes import EpisodeRunner, Spec, episode_jobs
     from stages.common.tools import load_tools
 
     data = config.data
@@ -268,8 +282,9 @@ def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader)
     runner = EpisodeRunner(llm, tokenizer)
 
     def run(n: int, temperature: float, logprobs: bool) -> list[list]:
-        jobs = [Job(i + 1, render_prompt(tokenizer, r[data.prompt_key], data, tools=schemas), r[data.prompt_key],
-                    r.get(data.label_key), request_seed(config.seed, i * n + j)) for i, r in enumerate(rows) for j in range(n)]
+        groups = episode_jobs(rows, list(range(len(rows))), data, n, config.seed,
+                              lambda p: render_prompt(tokenizer, p, data, tools=schemas))
+        jobs = [j for g in groups for j in g]
         spec = Spec(config.agent, config.tools, config.tool_parser, config.max_tool_calls, config.max_turns,
                     config.max_new_tokens, config.max_model_len, temperature, logprobs, config.env_timeout_s, 256, data)
         flat = runner.run(jobs, spec)
@@ -283,24 +298,18 @@ def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader)
     greedy = [g[0] for g in run(1, 0.0, False)]
     correct = [success(ep, r, i) for i, (ep, r) in enumerate(zip(greedy, rows, strict=True))]
 
-    def mean(values: list[float]) -> float | None:
-        return sum(values) / len(values) if values else None
-
     out = {
         "accuracy": sum(correct) / len(correct),
-        "response_length": mean([float(len(e.token_ids)) for e in greedy]),
+        "response_length": _mean([float(len(e.token_ids)) for e in greedy]),
         "n": len(greedy),
         "greedy": [e.prompt_ids + e.token_ids for e in greedy],
         "pass_at_k": None, "samples": [], "sample_logps": [],
-        "episodes": {"episode_reward": mean([e.reward for e in greedy if e.reward is not None]),
-                     "turns": mean([float(e.turns) for e in greedy]),
-                     "tool_calls": mean([e.info["tool_calls"] for e in greedy]) if config.tools else None,
-                     "tool_failures": mean([e.info["tool_failures"] for e in greedy]) if config.tools else None},
+        "episodes": _episode_means(greedy, bool(config.tools)),
     }
     if config.num_samples:
         sampled = run(config.num_samples, config.temperature, False)
         hits = [sum(success(ep, r, i) >= 1.0 for ep in group) for i, (group, r) in enumerate(zip(sampled, rows, strict=True))]
-        out["pass_at_k"] = sum(pass_at_k(config.num_samples, c, config.pass_k) for c in hits) / len(hits)
+        out["pass_at_k"] = _mean_pass_at_k(config, hits)
         out["samples"] = [[e.prompt_ids, e.token_ids, e.action_mask] for group in sampled for e in group]
         out["sample_logps"] = _response_logps(llm, out["samples"])
     return out

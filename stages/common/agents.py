@@ -220,65 +220,91 @@ async def run_episode(instance: AgentInstanceBase | None, prompt: str, label, sa
         _CURRENT.reset(token)
 
 
+@dataclass
+class _Trajectory:
+    """An episode's tokens so far: the actions' spans, the engine's log-probs (0.0 off the actions), the rewards."""
+
+    ids: list[int]
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    finish: str | None = None
+    total: float = 0.0
+    score: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def act(self, out, logprobs: bool) -> None:
+        """Append an action's tokens as sampled (and their log-probs when asked for)."""
+        start = len(self.ids)
+        self.ids += list(out.token_ids)
+        self.ranges.append((start, len(self.ids)))
+        if logprobs and out.logprobs is not None:
+            self.logps += [0.0] * (start - len(self.logps)) + [d[t].logprob for t, d in zip(out.token_ids, out.logprobs, strict=True)]
+        self.finish = out.finish_reason
+
+    def scored(self, result: dict) -> None:
+        """A step's answer: its rewards summed, its scores (default the sum) and extra_logs the last ones."""
+        self.total += result["rewards"]
+        self.score = result.get("scores", self.total)
+        self.extra = result["extra_logs"]
+
+
+async def _first_observation(instance, prompt: str, label, engine, s: EpisodeSettings) -> str:
+    if instance is None:
+        return prompt
+    states = {"observation": prompt, "label": label, "render": getattr(engine, "render", lambda p: p)}
+    answer = await _env(instance.reset, states, s, f"{s.where}: reset")
+    if not isinstance(answer, dict) or not isinstance(answer.get("observation"), str):
+        raise AgentError(f"{s.where}: reset returned {answer!r:.80}; expected {{'observation': str}}")
+    return answer["observation"]
+
+
+async def _answer(instance, tools, t: _Trajectory, states: dict, s: EpisodeSettings, turn: int):
+    """What answers an action: ``(feedback, the next action's sampling params)``, feedback None when the episode
+    ends. Tool calls are answered by the tools (beyond ``max_tool_calls``: the end); an action without calls by the
+    agent's step (its reward counted in ``t``), or, without an agent, it ends the episode."""
+    calls = tools.parse(states["action_text"]) if tools is not None else []
+    params = states["sampling_params"]
+    if calls:
+        return (await tools.answer(calls, s, f"{s.where}: turn {turn}") if tools.allowed(calls) else None), params
+    if instance is None:
+        return None, params
+    result = check_step_result(await _env(instance.step, states, s, f"{s.where}: step {turn}"), f"{s.where}: step {turn}")
+    t.scored(result)
+    if result.get("sampling_params") is not None:
+        params = result["sampling_params"]
+    return (None if result["done"] else result.get("environment_feedback") or ""), params
+
+
 async def _episode(instance, prompt, label, sampling_params, max_length, tok, engine, s: EpisodeSettings) -> dict:
     from stages.common.tools import ToolCalls
 
     max_new = s.max_new_tokens or sampling_params.max_tokens
-    obs = prompt
-    if instance is not None:
-        states = {"observation": prompt, "label": label, "render": getattr(engine, "render", lambda p: p)}
-        answer = await _env(instance.reset, states, s, f"{s.where}: reset")
-        if not isinstance(answer, dict) or not isinstance(answer.get("observation"), str):
-            raise AgentError(f"{s.where}: reset returned {answer!r:.80}; expected {{'observation': str}}")
-        obs = answer["observation"]
-    ids = tok(obs, add_special_tokens=False)["input_ids"]
-    if len(ids) + max_new > max_length:
-        raise AgentError(f"{s.where}: the prompt has {len(ids)} tokens; with max_new_tokens={max_new} that is more than "
+    observation_text = await _first_observation(instance, prompt, label, engine, s)
+    t = _Trajectory(tok(observation_text, add_special_tokens=False)["input_ids"])
+    if len(t.ids) + max_new > max_length:
+        raise AgentError(f"{s.where}: the prompt has {len(t.ids)} tokens; with max_new_tokens={max_new} that is more than "
                          f"max_model_len={max_length}")
-    observation_text, ranges, logps = obs, [], []
-    total, score, extra, finish, params = 0.0, None, {}, None, sampling_params
+    params = sampling_params
     tools = ToolCalls(s.tools, s.parser, s.max_tool_calls) if s.tools is not None else None
     for turn in range(1, s.max_turns + 1):
         p = copy(params)
-        p.max_tokens = min(max_new, max_length - len(ids))
-        out = (await engine.generate(list(ids), p)).outputs[0]
-        start = len(ids)
-        ids += list(out.token_ids)
-        ranges.append((start, len(ids)))
-        if p.logprobs is not None and out.logprobs is not None:
-            logps += [0.0] * (start - len(logps)) + [d[t].logprob for t, d in zip(out.token_ids, out.logprobs, strict=True)]
-        finish = out.finish_reason
-        calls = tools.parse(out.text) if tools is not None else []
-        if calls:
-            if not tools.allowed(calls):
-                break
-            feedback = await tools.answer(calls, s, f"{s.where}: turn {turn}")
-        elif instance is None:
+        p.max_tokens = min(max_new, max_length - len(t.ids))
+        out = (await engine.generate(list(t.ids), p)).outputs[0]
+        t.act(out, p.logprobs is not None)
+        states = {"observation_text": observation_text, "action_text": out.text, "label": label, "sampling_params": params}
+        feedback, params = await _answer(instance, tools, t, states, s, turn)
+        if feedback is None:
             break
-        else:
-            states = {"observation_text": observation_text, "action_text": out.text, "label": label, "sampling_params": params}
-            result = check_step_result(await _env(instance.step, states, s, f"{s.where}: step {turn}"), f"{s.where}: step {turn}")
-            total += result["rewards"]
-            score = result.get("scores", total)
-            extra = result["extra_logs"]
-            if result.get("sampling_params") is not None:
-                params = result["sampling_params"]
-            if result["done"]:
-                break
-            feedback = result.get("environment_feedback") or ""
         fb = feedback_ids(tok, feedback, f"{s.where}: turn {turn}")
-        if turn == s.max_turns or len(ids) + len(fb) + max_new > max_length:  # no room for another whole action
+        if turn == s.max_turns or len(t.ids) + len(fb) + max_new > max_length:  # no room for another whole action
             break
         observation_text += out.text + (feedback if isinstance(feedback, str) else tok.decode(fb))
-        ids += fb
-    if logps:
-        logps += [0.0] * (len(ids) - len(logps))
-    if tools is not None:
-        extra = {**extra, **tools.logs()}
-    return {"prompt": prompt, "label": label, "observation_tokens": ids, "action_ranges": ranges,
-            "rollout_log_probs": logps or None, "reward": total if instance is not None else None,
-            "scores": (total if score is None else score) if instance is not None else None,
-            "extra_logs": extra, "finish_reason": finish}
+        t.ids += fb
+    agent = instance is not None
+    return {"prompt": prompt, "label": label, "observation_tokens": t.ids, "action_ranges": t.ranges,
+            "rollout_log_probs": t.logps + [0.0] * (len(t.ids) - len(t.logps)) if t.logps else None,
+            "reward": t.total if agent else None, "scores": (t.total if t.score is None else t.score) if agent else None,
+            "extra_logs": {**t.extra, **tools.logs()} if tools is not None else t.extra, "finish_reason": t.finish}
 
 
 async def _env(method, states: dict, s: EpisodeSettings, what: str):
@@ -317,16 +343,6 @@ def continuation(tok, messages: list[dict]) -> str:
         raise AgentError("rollout.agent: the chat template does not render a conversation as a prefix of its "
                          "continuation; return observations as strings")
     return full[len(head):]
-
-
-class ObservationTokens:
-    """An observation's token ids (:func:`feedback_ids`) for one tokenizer."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-
-    def __call__(self, obs: Any, where: str) -> list[int]:
-        return feedback_ids(self.tok, obs, where)
 
 
 def number(value: Any, what: str, where: str, nan_ok: bool = False) -> float:
@@ -406,20 +422,26 @@ def last_answer(tokenizer, episode: Episode) -> str:
     return tokenizer.decode([t for t in last if t is not None], skip_special_tokens=True)
 
 
+def action_mask(ranges: list[tuple], n: int, where: str) -> list[int]:
+    """1 on the actions' tokens, from the first action on (``ranges``: increasing spans of ``n`` tokens, checked)."""
+    if not ranges or any(not (0 <= a <= b <= n) for a, b in ranges) or any(
+            ranges[i][1] > ranges[i + 1][0] for i in range(len(ranges) - 1)):
+        raise AgentError(f"{where}: action_ranges {ranges!r:.80} are not increasing spans of observation_tokens "
+                         f"({n} tokens)")
+    start = ranges[0][0]
+    mask = [0] * (n - start)
+    for a, b in ranges:
+        mask[a - start : b - start] = [1] * (b - a)
+    return mask
+
+
 def episode_of(result: Any, tok, with_logprobs: bool, where: str) -> Episode:
     """An executor's episode dict (OpenRLHF's keys) as an :class:`Episode`, checked."""
     if not isinstance(result, dict) or not {"observation_tokens", "action_ranges"} <= set(result):
         raise AgentError(f"{where}: execute returned {result!r:.80}; expected OpenRLHF's episode dict "
                          "(observation_tokens, action_ranges, rollout_log_probs, reward, scores, extra_logs)")
     ids, ranges = [int(t) for t in result["observation_tokens"]], [tuple(r) for r in result["action_ranges"]]
-    if not ranges or any(not (0 <= a <= b <= len(ids)) for a, b in ranges) or any(
-            ranges[i][1] > ranges[i + 1][0] for i in range(len(ranges) - 1)):
-        raise AgentError(f"{where}: action_ranges {ranges!r:.80} are not increasing spans of observation_tokens "
-                         f"({len(ids)} tokens)")
-    start = ranges[0][0]
-    mask = [0] * (len(ids) - start)
-    for a, b in ranges:
-        mask[a - start : b - start] = [1] * (b - a)
+    start, mask = ranges[0][0] if ranges else 0, action_mask(ranges, len(ids), where)
     logps = None
     if with_logprobs:
         lp = result.get("rollout_log_probs")

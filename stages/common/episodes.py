@@ -36,6 +36,16 @@ class Job:
     seed: int
 
 
+def episode_jobs(rows: list[dict], numbers: list[int], data, n: int, seed: int, render) -> list[list[Job]]:
+    """``n`` jobs per row (a group), each episode with its own seed hashed from ``seed`` and its place in the batch;
+    ``numbers``: the rows' 0-based places in their data (for messages); ``render``: a prompt as the model sees it."""
+    from stages.common.generation import request_seed
+
+    return [[Job(i + 1, render(row[data.prompt_key]), row[data.prompt_key], row.get(data.label_key),
+                 request_seed(seed, g * n + j)) for j in range(n)]
+            for g, (i, row) in enumerate(zip(numbers, rows, strict=True))]
+
+
 @dataclass
 class Spec:
     """What every episode of a call shares: the agent and tools (files loaded in the engine's process), the

@@ -291,24 +291,35 @@ class ModelReward:
         return {"eval_reward": scores.scores.mean().item()}
 
 
+def episode_logs(episodes: list) -> dict[str, torch.Tensor]:
+    """The numbers episodes log, one value per episode: each episode's last info (NaN where it has no such key:
+    not counted) and its turns."""
+    logs = {k: torch.tensor([e.info.get(k, float("nan")) for e in episodes]) for k in sorted({k for e in episodes for k in e.info})}
+    logs["turns"] = torch.tensor([float(e.turns) for e in episodes])
+    return logs
+
+
+def held_out_means(logs: dict[str, torch.Tensor], names) -> dict[str, float]:
+    """``eval_<name>``: the mean of each of ``names`` in ``logs``, NaNs (not counted) left out."""
+    out = {}
+    for k in sorted(set(names) & set(logs)):
+        counted = [v for v in logs[k].tolist() if not math.isnan(v)]
+        if counted:
+            out[f"eval_{k}"] = sum(counted) / len(counted)
+    return out
+
+
 class EpisodeReward:
     """An agent's episodes score themselves: their summed step rewards, their score, their last info as metrics."""
 
     def score(self, rows: list[dict], samples: Samples) -> Scores:
         flat = samples.completions
-        logs = {k: torch.tensor([e.info.get(k, float("nan")) for e in flat]) for k in sorted({k for e in flat for k in e.info})}
-        logs["turns"] = torch.tensor([float(e.turns) for e in flat])
-        return Scores(torch.tensor([e.reward for e in flat]), torch.tensor([e.score for e in flat]), logs)
+        return Scores(torch.tensor([e.reward for e in flat]), torch.tensor([e.score for e in flat]), episode_logs(flat))
 
     def held_out(self, scores: Scores) -> dict[str, float]:
         """The episodes' mean score as ``eval_accuracy``, and the mean of every number they logged (turns, the
         last info), NaNs (not counted) left out."""
-        out = {"eval_accuracy": scores.scores.mean().item()}
-        for k in sorted(scores.extra_logs):
-            counted = [v for v in scores.extra_logs[k].tolist() if not math.isnan(v)]
-            if counted:
-                out[f"eval_{k}"] = sum(counted) / len(counted)
-        return out
+        return {"eval_accuracy": scores.scores.mean().item(), **held_out_means(scores.extra_logs, scores.extra_logs)}
 
 
 class WithEpisodeLogs:
@@ -316,24 +327,17 @@ class WithEpisodeLogs:
     failures) among its extra logs, and their means held out as ``eval_<name>``."""
 
     def __init__(self, source: RewardSource):
-        self.source, self.names = source, {"turns"}
+        self.source, self.names = source, set()
 
     def score(self, rows: list[dict], samples: Samples) -> Scores:
         scores = self.source.score(rows, samples)
-        flat = samples.completions
-        for k in sorted({k for e in flat for k in e.info}):
-            scores.extra_logs[k] = torch.tensor([e.info.get(k, float("nan")) for e in flat])
-            self.names.add(k)
-        scores.extra_logs["turns"] = torch.tensor([float(e.turns) for e in flat])
+        logs = episode_logs(samples.completions)
+        scores.extra_logs.update(logs)
+        self.names |= set(logs)
         return scores
 
     def held_out(self, scores: Scores) -> dict[str, float]:
-        out = self.source.held_out(scores)
-        for k in sorted(self.names & set(scores.extra_logs)):
-            counted = [v for v in scores.extra_logs[k].tolist() if not math.isnan(v)]
-            if counted:
-                out.setdefault(f"eval_{k}", sum(counted) / len(counted))
-        return out
+        return {**held_out_means(scores.extra_logs, self.names), **self.source.held_out(scores)}
 
 
 class Timed:

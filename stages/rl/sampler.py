@@ -67,17 +67,10 @@ class Episodes:
         return Spec(ro.agent, ro.tools, ro.tool_parser, ro.max_tool_calls, ro.max_turns, ro.max_new_tokens, ro.max_model_len,
                     temperature, logprobs, ro.env_timeout_s, ro.max_concurrent_episodes, data)
 
-    def jobs(self, idx: list[int], rows: list[dict], data, n: int, seed: int) -> list[list]:
-        """A group of ``n`` jobs per row (``idx``: the rows' numbers in their data), each episode with its own seed."""
-        from stages.common.episodes import Job
-        from stages.common.generation import request_seed
-
-        return [[Job(i + 1, self.render(row[data.prompt_key], data), row[data.prompt_key], row.get(data.label_key),
-                     request_seed(seed, g * n + j)) for j in range(n)]
-                for g, (i, row) in enumerate(zip(idx, rows, strict=True))]
-
     def launch(self, idx: list[int], rows: list[dict], data, n: int, temperature: float, seed: int, logprobs: bool):
-        groups = self.jobs(idx, rows, data, n, seed)
+        from stages.common.episodes import episode_jobs
+
+        groups = episode_jobs(rows, idx, data, n, seed, lambda p: self.render(p, data))
         return groups, self.engines.launch_episodes(groups, self.spec(temperature, logprobs, data))
 
     def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool) -> list:

@@ -11,10 +11,10 @@ import torch
 
 from stages.common.agents import (
     AgentError,
-    ObservationTokens,
     check_step_answer,
     check_step_result,
     episode_of,
+    feedback_ids,
     load_agent,
 )
 from stages.common.generation import Completion
@@ -39,7 +39,7 @@ def test_an_episode_dict_becomes_the_sampled_tokens_and_the_chat_rendered_observ
     tok = tokenizer
     prompt = _ids(tok, tok.apply_chat_template([{"role": "user", "content": "7+8"}], add_generation_prompt=True, tokenize=False))
     first, second = _action(tok, prompt, "14"), _action(tok, prompt, "15")
-    obs = ObservationTokens(tok)(RETRY, "test")
+    obs = feedback_ids(tok, RETRY, "test")
     ids = prompt + first.token_ids + obs + second.token_ids
     a, b = len(prompt), len(prompt) + len(first.token_ids)
     ranges = [(a, b), (b + len(obs), len(ids))]
@@ -57,7 +57,7 @@ def test_an_episode_dict_becomes_the_sampled_tokens_and_the_chat_rendered_observ
     assert tok.decode(prompt + episode.token_ids) == tok.apply_chat_template(conversation, tokenize=False)
     assert tok.decode(obs) == "<|user|>wrong, try again<|end|><|assistant|>"
     # a string observation is appended as it is
-    assert ObservationTokens(tok)("Try: 12", "test") == _ids(tok, "Try: 12")
+    assert feedback_ids(tok, "Try: 12", "test") == _ids(tok, "Try: 12")
     # tensors and one-element lists are numbers, as OpenRLHF takes them
     assert (episode.reward, episode.score, episode.turns, episode.info) == (0.5, 1.0, 2, {"second_attempt_success": 1.0})
     other = Completion(list(prompt), [tok.eos_token_id], "", [-2.0], "stop")  # a one-token single-turn sample
