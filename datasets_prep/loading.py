@@ -50,6 +50,8 @@ class DataConfig(BaseModel):
     packing: bool = Field(False, description="pack several examples into one row (position ids restart; no cross-example attention)")
     pretrain_mode: bool = Field(False, description="SFT: plain text, loss on every token (OpenRLHF's --pretrain_mode)")
     seed: int = Field(0, description="shuffling and mixing")
+    image_key: str | None = Field(None, description="the images of a row (OpenRLHF's --data.image_key; a vision-language model's data): a file path (relative paths against the data file's folder, then the working directory), a list of paths, image bytes, base64 text or a data: URI, or a datasets Image value; null or missing: a text-only row. A text prompt gets the images before its text; chat messages keep their {type: image} parts")
+    max_images_per_prompt: int = Field(1, ge=1, description="a row with more images is an error (and vLLM's limit_mm_per_prompt)")
 
     @field_validator("paths", mode="before")
     @classmethod
@@ -73,6 +75,9 @@ class DataConfig(BaseModel):
             raise ValueError(f"margin_key ({self.margin_key!r}) and score_keys ({list(self.score_keys)}) both give the margin; set one")
         if not self.prompt_marker:
             raise ValueError("prompt_marker: must be non-empty text (where a transcript's prompt ends, e.g. 'Assistant:')")
+        if self.image_key is not None and (self.packing or self.pretrain_mode):
+            raise ValueError(f"image_key ({self.image_key!r}) with {'packing' if self.packing else 'pretrain_mode'}: rows with "
+                             "images are neither packed nor plain text (as OpenRLHF: no packing for vision-language models)")
         if self.max_samples is not None and self.max_samples <= 0:
             raise ValueError(f"max_samples: {self.max_samples} must be positive")
         return self

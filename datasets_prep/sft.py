@@ -27,6 +27,7 @@ from datasets_prep.loading import DataConfig, DataError, load_rows, require_text
 class Example:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the token is a training target
+    images: list[str] = field(default_factory=list)  # image references (datasets_prep.images), each's block in input_ids
 
 
 @dataclass
@@ -45,9 +46,40 @@ class PrepReport:
         return text + (f", {self.loss_tokens} loss tokens" if self.loss_tokens else "")
 
 
+def data_base(config: DataConfig):
+    """The folder relative image paths resolve against: the first data file's."""
+    from pathlib import Path
+
+    first = Path(config.paths[0]).expanduser()
+    return first.parent if first.is_file() else first if first.is_dir() else None
+
+
+def row_images(row: dict, config: DataConfig, where: str) -> list[str]:
+    """A row's image references (``data.image_key``), each opened; [] without an image key."""
+    if config.image_key is None:
+        return []
+    from datasets_prep.images import image_refs
+
+    return image_refs(row, config.image_key, where, data_base(config), config.max_images_per_prompt)
+
+
+def prompt_images(row: dict, config: DataConfig, key: str, where: str) -> tuple:
+    """A prompt row's ``key`` field with its images' parts (``data.image_key``), and the images' references."""
+    refs = row_images(row, config, where)
+    if not refs:
+        return row[key], []
+    from datasets_prep.images import with_images
+
+    return with_images(row[key], len(refs), where), refs
+
+
 def check_sft_row(config: DataConfig):
     def check(row: dict, where: str) -> None:
         value = require_text(row, config.input_key, where, "input_key", allow_messages=not config.pretrain_mode)
+        if config.image_key is not None:
+            from datasets_prep.images import with_images
+
+            with_images(value, len(row_images(row, config, where)), where)
         if config.pretrain_mode:
             return
         if row.get("tools") is not None:
@@ -192,7 +224,17 @@ def row_tools(row: dict) -> list[dict] | None:
     return tools or None
 
 
-def tokenize_sft_row(row: dict, tokenizer, config: DataConfig) -> Example:
+def tokenize_sft_row(row: dict, tokenizer, config: DataConfig, processor_path: str | None = None, where: str = "") -> Example:
+    """``processor_path``: a vision-language model's (rows with ``data.image_key``): the images' parts in the prompt,
+    each image token expanded to its block (out of the loss)."""
+    if config.image_key is not None:
+        from datasets_prep.images import with_images
+        from stages.common.vision import expand_images
+
+        refs = row_images(row, config, where)
+        value = with_images(row[config.input_key], len(refs), where) if refs else row[config.input_key]
+        ex = tokenize_sft_row({**row, config.input_key: value}, tokenizer, config.model_copy(update={"image_key": None}))
+        return Example(*expand_images(ex.input_ids, ex.loss_mask, refs, processor_path), refs) if refs else ex
     value = row[config.input_key]
     if config.pretrain_mode:
         ids = _ids(tokenizer, value) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
@@ -215,6 +257,9 @@ def apply_length_policy(examples: list[Example], max_len: int, overflow: str, re
                 report.dropped += 1
                 continue
             report.truncated += 1
+            if ex.images:  # an image's block cut in two would not match its features
+                report.dropped += 1
+                continue
             ex = Example(ex.input_ids[:max_len], ex.loss_mask[:max_len])
         if sum(ex.loss_mask[1:]) == 0:  # nothing left to learn from (the first token is never a target)
             report.dropped += 1
@@ -223,14 +268,18 @@ def apply_length_policy(examples: list[Example], max_len: int, overflow: str, re
     return kept
 
 
-def prepare_sft(config: DataConfig, tokenizer) -> tuple[list[Example], PrepReport]:
-    """Load, validate and tokenize SFT rows. Raises DataError before any training on bad input."""
+def prepare_sft(config: DataConfig, tokenizer, processor_path: str | None = None) -> tuple[list[Example], PrepReport]:
+    """Load, validate and tokenize SFT rows. Raises DataError before any training on bad input. ``processor_path``:
+    the model's folder when it is a vision-language model (required by ``data.image_key``)."""
+    if config.image_key is not None and processor_path is None:
+        raise DataError(f"{', '.join(config.paths)}: data.image_key is {config.image_key!r} but the model is not a vision-language "
+                        "model (its config.json has no vision_config); use one (e.g. tiny:tiny-vl) or drop image_key")
     rows = load_rows(config, check_sft_row(config))
     report = PrepReport(rows=len(rows))
     bound = char_bound(tokenizer, config.max_len)
     keys = [k for k in (config.input_key, None if config.pretrain_mode else config.output_key) if k]
     rows = [r for r in (bound_row(r, keys, bound, config.overflow, report) for r in rows) if r is not None]
-    examples = [tokenize_sft_row(r, tokenizer, config) for r in rows]
+    examples = [tokenize_sft_row(r, tokenizer, config, processor_path, f"{config.paths[0]} row {i + 1}") for i, r in enumerate(rows)]
     examples = apply_length_policy(examples, config.max_len, config.overflow, report)
 
     if not examples:

@@ -43,6 +43,7 @@ from stages.common.stage import POLICY, REPORT, REWARD, Input, StageRun, StageSp
 METRICS = ("accuracy", "pass@k", "response_length", "reward", "kl_to_reference")
 # with an agent or tools (greedy episodes): the agent's summed step rewards, actions, tool calls and failures per episode
 EPISODE_METRICS = ("episode_reward", "turns", "tool_calls", "tool_failures")
+SHOWN_IMAGES = 4  # image prompts: the first rows' pictures in the report, with each model's greedy answer
 
 
 class EvalConfig(StageConfig):
@@ -123,6 +124,7 @@ def run_eval(
     run = SPEC.identify(config, {"models": models, "reward_model": reward_model, "reference": reference}, run)
     rows = load_rows(config.data, check_prompt_label_row(config.data))
     check(config)  # a bad reference fails here, before any model loads
+    check_images(config, rows, models.values())
     for ref, kinds, what in [*((ref, ("full",), "a model to evaluate (merge adapters first)") for ref in models.values()),
                              (reward_model, ("reward",), "the reward model of the eval stage"),
                              (reference, ("full",), "the KL reference of the eval stage")]:
@@ -143,7 +145,8 @@ def run_eval(
             scores = launch("stages.eval:score_rank", job, 1, folder / "score", timeout_s=config.timeout_s, cluster=config.cluster,
                             inputs=[r.path for r in (reward_model, reference) if r is not None])
         metrics = {label: _row(generated[label], scores.get(label, {})) for label in models}
-        return write_report(folder, config, metrics)
+        shown = image_samples(folder, config, rows, {label: g.get("answers") or [] for label, g in generated.items()})
+        return write_report(folder, config, metrics, shown)
 
 
 def _labelled(models: Mapping[str, CheckpointRef] | Sequence[CheckpointRef]) -> Mapping[str, CheckpointRef]:
@@ -165,7 +168,48 @@ def _row(generated: dict, scored: dict) -> dict:
             **generated.get("episodes", {})}  # with an agent or tools: EPISODE_METRICS
 
 
-def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> EvalReport:
+def check_images(config: EvalConfig, rows: list[dict], models) -> None:
+    """Image prompts (``data.image_key``): every row's images open, within ``max_images_per_prompt``, and every model
+    is a vision-language model; before any model loads."""
+    from datasets_prep.sft import prompt_images
+    from stages.common.vision import is_vision
+
+    if config.data.image_key is None:
+        return
+    for i, r in enumerate(rows):
+        prompt_images(r, config.data, config.data.prompt_key, f"{config.data.paths[0]} row {i + 1}")
+    if config.reference is not None or config.agent or config.tools:
+        raise ValueError("eval: image prompts (data.image_key) are evaluated single-turn without a KL reference "
+                         "(agents, tools and kl_to_reference on images: not yet)")
+    for ref in models:
+        if not is_vision(ref.path):
+            raise ValueError(f"eval: data.image_key is set but {ref.path} is not a vision-language model (no vision_config)")
+
+
+def image_samples(folder: Path, config: EvalConfig, rows: list[dict], answers: dict[str, list[str]]) -> str:
+    """The first rows' pictures (PNG files in the report's folder) and each model's greedy answer, as markdown."""
+    if config.data.image_key is None:
+        return ""
+    from datasets_prep.images import open_image
+    from datasets_prep.sft import prompt_images
+
+    lines = ["", "Sample image prompts (greedy answers):", "",
+             "| image | prompt | label | " + " | ".join(answers) + " |", "|---|---|---|" + "---|" * len(answers)]
+    for i, row in enumerate(rows[:SHOWN_IMAGES]):
+        _, refs = prompt_images(row, config.data, config.data.prompt_key, f"row {i + 1}")
+        cells = []
+        for j, ref in enumerate(refs):
+            name = f"sample-{i + 1}-{j + 1}.png"
+            open_image(ref).resize((112, 112)).save(folder / name)
+            cells.append(f"![row {i + 1}]({name})")
+        prompt = row[config.data.prompt_key]
+        said = [repr(a[i]) if i < len(a) else "-" for a in answers.values()]
+        lines.append(f"| {' '.join(cells)} | {prompt if isinstance(prompt, str) else '(messages)'} | {row[config.data.label_key]} | "
+                     + " | ".join(said) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict], samples: str = "") -> EvalReport:
     """``metrics.json``, a markdown table and a PNG bar plot (one panel per metric, a bar per model, its value
     on it; a panel whose values span orders of magnitude on a log scale)."""
     import matplotlib
@@ -189,7 +233,7 @@ def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict]) -> 
             cells.append("-" if v is None else f"{v:.1%}" if m in ("accuracy", "pass@k") else f"{v:.2f}" if m in EPISODE_METRICS
                          else f"{v:.3f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    md = "\n".join(lines) + "\n"
+    md = "\n".join(lines) + "\n" + samples
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2), squeeze=False)
     for ax, m in zip(axes[0], shown, strict=True):
         labels = [label for label in metrics if metrics[label].get(m) is not None]
@@ -216,37 +260,46 @@ def generate_rank(job: dict, rank: int, world_size: int) -> dict:
     from datasets_prep.sft import render_prompt
     from stages.common.generation import generate, make_llm
 
+    from datasets_prep.sft import prompt_images
+    from stages.common.vision import is_vision, vision_token_ids
+
     config = EvalConfig.model_validate(job["config"])
     grader = load_grader(config.grader)
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
-    rows = job["rows"]
-    labels = [r[config.data.label_key] for r in rows]
-    prompts = [
-        tokenizer(render_prompt(tokenizer, r[config.data.prompt_key], config.data), add_special_tokens=False)["input_ids"]
-        for r in rows
-    ]
-    llm = make_llm(job["model"], seed=config.seed, dtype=config.dtype, max_model_len=config.max_model_len)
+    rows, data = job["rows"], config.data
+    labels = [r[data.label_key] for r in rows]
+    shown = [prompt_images(r, data, data.prompt_key, f"row {i + 1}") for i, r in enumerate(rows)]
+    prompts = [tokenizer(render_prompt(tokenizer, p, data), add_special_tokens=False)["input_ids"] for p, _ in shown]
+    vision = is_vision(job["model"])
+    images = [refs for _, refs in shown] if data.image_key else None
+    see = dict(images=images, banned=vision_token_ids(tokenizer) if vision else None)  # a vision-language model's
+    llm = make_llm(job["model"], seed=config.seed, dtype=config.dtype, max_model_len=config.max_model_len,
+                   max_images=data.max_images_per_prompt if vision else None)
     if config.agent or config.tools:
         return _episodes_rank(config, llm, tokenizer, rows, grader)
-    greedy = [g[0] for g in generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=0.0)]
+    greedy = [g[0] for g in generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=0.0, **see)]
     correct = [grade(grader, o.text, a, f"row {i + 1}") for i, (o, a) in enumerate(zip(greedy, labels, strict=True))]
     out = {
         "accuracy": sum(correct) / len(correct),
         "response_length": sum(len(o.token_ids) for o in greedy) / len(greedy),
         "n": len(greedy),
         "greedy": [o.prompt_ids + o.token_ids for o in greedy],
+        "answers": [o.text for o in greedy[:SHOWN_IMAGES]] if images else [],
         "pass_at_k": None,
         "samples": [],
         "sample_logps": [],
     }
     if config.num_samples:
         sampled = generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                           n=config.num_samples, seed=config.seed)
+                           n=config.num_samples, seed=config.seed, **see)
         hits = [sum(grade(grader, c.text, a, f"row {i + 1}") >= 1.0 for c in group)
                 for i, (group, a) in enumerate(zip(sampled, labels, strict=True))]
         out["pass_at_k"] = _mean_pass_at_k(config, hits)
         out["samples"] = [[c.prompt_ids, c.token_ids] for group in sampled for c in group]
-        out["sample_logps"] = _response_logps(llm, out["samples"])
+        if images is None:  # the KL to a reference is estimated on text prompts (image samples: not yet)
+            out["sample_logps"] = _response_logps(llm, out["samples"])
+        else:
+            out["samples"] = []
     return out
 
 

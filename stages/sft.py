@@ -16,7 +16,8 @@ from pydantic import ConfigDict, Field
 
 from checkpoints import CheckpointRef, require_kind, verify
 from datasets_prep.loading import DataConfig
-from datasets_prep.packing import PackedRow, collate, loss_tokens, pack
+from datasets_prep.packing import PackedRow, loss_tokens, pack
+from datasets_prep.packing import collate as collate_ids
 from datasets_prep.sft import Example, prepare_sft
 from stages.common.config import (
     SFT_DATA_UNUSED,
@@ -62,9 +63,12 @@ def run_sft(config: SFTConfig, base: CheckpointRef, *, run: StageRun | None = No
     run = SPEC.identify(config, {"base": base}, run)
     verify(base)
     require_kind(base, ("full",), "the SFT base model")
+    from stages.common.vision import is_vision
+
     tokenizer = AutoTokenizer.from_pretrained(base.path)
-    examples, report = prepare_sft(config.data, tokenizer)
-    eval_examples = prepare_sft(config.eval_data, tokenizer)[0] if config.eval_data else []
+    processor = base.path if is_vision(base.path) else None
+    examples, report = prepare_sft(config.data, tokenizer, processor)
+    eval_examples = prepare_sft(config.eval_data, tokenizer, processor)[0] if config.eval_data else []
     items: list[Example] | list[PackedRow] = pack(examples, config.data.max_len) if config.data.packing else examples
     check_data_fits(config.train, len(items), config.data.paths)
     print(f"[sft] data: {report.summary()}" + (f"; packed into {len(items)} rows" if config.data.packing else ""))
@@ -82,7 +86,9 @@ def run_sft(config: SFTConfig, base: CheckpointRef, *, run: StageRun | None = No
 
 def sft_loss(engine, batch):
     """Sum of next-token NLL over target tokens, and the number of those tokens."""
-    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+    from stages.common.vision import PIXEL_KEYS
+
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask", *PIXEL_KEYS) if k in batch}
     logits = engine(**inputs, use_cache=False).logits
     logps = token_logps(logits, batch["input_ids"])
     return -masked_sum(logps, batch["loss_mask"]), {}
@@ -90,24 +96,26 @@ def sft_loss(engine, batch):
 
 def train_rank(job: dict, rank: int, world_size: int) -> dict:
     """One rank's work (runs under ``stages.common.worker``)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from stages.common import trainer
+    from stages.common.vision import is_vision, load_policy, pixel_inputs, tokenizer_or_processor
 
     config = SFTConfig.model_validate(job["config"])
     trainer.init_distributed()
     cls = PackedRow if job["packed"] else Example
     items = [cls(**d) for d in read_items(job)]
-    tokenizer = AutoTokenizer.from_pretrained(job["base_path"])
+    base_path = job["base_path"]
+    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    saved = tokenizer_or_processor(base_path)  # what goes beside the weights (a processor keeps its image settings)
     total = total_steps(config.train, len(items))
-    eng = trainer.build_engine(
-        job["base_path"],
-        config.train,
-        config.lora,
-        total,
-        lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, use_safetensors=True),
-    )
+    eng = trainer.build_engine(base_path, config.train, config.lora, total, load_policy)
+    vision = is_vision(base_path)
+
+    def collate(chunk):  # a vision-language model's rows: the images' pixel tensors too
+        batch = collate_ids(chunk, tokenizer.pad_token_id)
+        return {**batch, **pixel_inputs(base_path, [e.images for e in chunk])} if vision else batch
+
     run_dir = Path(job["run_dir"])
     eval_items = [Example(**d) for d in job.get("eval_examples") or []]
 
@@ -115,7 +123,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
         nll, n = 0.0, 0
         for i in range(0, len(eval_items), config.train.micro_train_batch_size):
             chunk = eval_items[i : i + config.train.micro_train_batch_size]
-            batch = {k: v.to(trainer.device()) for k, v in collate(chunk, tokenizer.pad_token_id).items()}
+            batch = {k: v.to(trainer.device()) for k, v in collate(chunk).items()}
             nll += sft_loss(eng.engine, batch)[0].item()
             n += sum(loss_tokens(e) for e in chunk)
         return {"loss": nll / n}
@@ -123,7 +131,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
     history = trainer.fit(
         eng,
         items,
-        lambda its: collate(its, tokenizer.pad_token_id),
+        collate,
         sft_loss,
         loss_tokens,
         config.train,
@@ -133,11 +141,11 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
         world_size,
         evaluate=evaluate if eval_items else None,
         eval_steps=config.eval_steps,
-        export=lambda folder: trainer.export_hf(eng, folder, tokenizer, rank),
+        export=lambda folder: trainer.export_hf(eng, folder, saved, rank),
     )
-    probe = collate(items[: config.train.micro_train_batch_size], tokenizer.pad_token_id)
+    probe = collate(items[: config.train.micro_train_batch_size])
     logits = trainer.forward_logits(eng, probe)
-    trainer.export_hf(eng, Path(job["export_dir"]), tokenizer, rank)
+    trainer.export_hf(eng, Path(job["export_dir"]), saved, rank)
     if rank == 0:
         from safetensors.torch import save_file
 

@@ -72,6 +72,8 @@ SFT_DATA_UNUSED = {
 PAIR_DATA_UNUSED = {
     "input_key": "pairs read prompt_key, chosen_key and rejected_key", "output_key": "pairs read chosen_key and rejected_key",
     "label_key": "pairs read chosen_key and rejected_key", "pretrain_mode": "pairs are not plain text",
+    "image_key": "preference pairs with images are not supported yet (SFT, RL and eval take images)",
+    "max_images_per_prompt": "preference pairs with images are not supported yet",
 }
 
 
@@ -96,6 +98,7 @@ class TrainConfig(BaseModel):
     world_size: int = Field(1, description="ranks on this machine (CPU: gloo, GPU: NCCL, one GPU each)")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (0: plain data parallel, 3: parameters sharded too)")
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="training precision (bf16 mixed precision or fp32)")
+    freeze_vision_tower: bool = Field(False, description="a vision-language model: its vision tower and connector stay frozen (OpenRLHF's --actor.freeze_visual_encoder); LoRA adapts the language model only either way")
     train_batch_size: int = Field(32, description="global, across ranks and accumulation steps")
     micro_train_batch_size: int = Field(8, description="per rank per forward")
     max_steps: int | None = Field(None, description="optimizer steps; None = num_epochs over the data")

@@ -23,6 +23,7 @@ def engine_args(
     enable_sleep: bool = False,
     worker_extension_cls: str | None = None,
     logprobs_mode: str = "raw_logprobs",
+    max_images: int | None = None,
 ) -> dict:
     """The ``vllm.LLM`` arguments of an engine on GPUs (``gpu``) or on the CPU build: one construction for both.
 
@@ -32,6 +33,7 @@ def engine_args(
     - ``gpu_memory_utilization``: the share of each GPU the engine takes (weights and KV cache); default
       ``OWN_GPU_MEMORY``, or ``COLOCATED_GPU_MEMORY`` beside learners.
     - ``enable_sleep``: vLLM's sleep mode (GPU only), so the engine can free its memory between generations.
+    - ``max_images``: a vision-language model's most images per prompt (vLLM's ``limit_mm_per_prompt``).
     """
     args = dict(
         model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -40,6 +42,8 @@ def engine_args(
         enforce_eager=True if not gpu else bool(enforce_eager),
         worker_extension_cls=worker_extension_cls or "", logprobs_mode=logprobs_mode,
     )
+    if max_images is not None:
+        args["limit_mm_per_prompt"] = {"image": max_images}
     if gpu:
         default = COLOCATED_GPU_MEMORY if colocated else OWN_GPU_MEMORY
         args["gpu_memory_utilization"] = gpu_memory_utilization if gpu_memory_utilization is not None else default
@@ -95,41 +99,71 @@ def request_seed(seed: int, i: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{i}".encode()).digest()[:4], "little") >> 1
 
 
-def generate(llm, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, n: int = 1, seed: int | None = None, logprobs: bool = False) -> list[list[Completion]]:
+def prompts_of(prompt_ids: list[list[int]], images: list[list[str]] | None = None) -> list:
+    """vLLM's prompts: token ids, and a vision-language model's images (one image token each in the ids: vLLM
+    expands it into the image's block) as ``multi_modal_data``."""
+    from vllm import TokensPrompt
+
+    if images is None:
+        return [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+    from datasets_prep.images import open_image
+
+    return [TokensPrompt(prompt_token_ids=p, multi_modal_data={"image": [open_image(r) for r in refs]}) if refs
+            else TokensPrompt(prompt_token_ids=p) for p, refs in zip(prompt_ids, images, strict=True)]
+
+
+def allowed_tokens(llm, banned: list[int] | None) -> list[int] | None:
+    """Every token id of the engine's vocabulary but ``banned`` (None: no restriction)."""
+    if not banned:
+        return None
+    size = llm.llm_engine.model_config.get_vocab_size()
+    out = set(banned)
+    return [i for i in range(size) if i not in out]
+
+
+def generate(llm, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, n: int = 1, seed: int | None = None,
+             logprobs: bool = False, images: list[list[str]] | None = None, banned: list[int] | None = None) -> list[list[Completion]]:
     """``n`` completions per prompt, as token ids (never re-tokenized text).
 
     With a ``seed``, prompt ``i`` samples with its own seed hashed from ``(seed, i)``: reproducible, and
     independent across prompts and calls. (vLLM seeds sample ``j`` of a request with ``seed + j``, so
     consecutive seeds per prompt would give prompt ``i``'s sample ``j + 1`` the random draws of prompt
-    ``i + 1``'s sample ``j``, and one seed for all the same draws everywhere.)"""
-    from vllm import SamplingParams, TokensPrompt
+    ``i + 1``'s sample ``j``, and one seed for all the same draws everywhere.)
 
+    ``images``: each prompt's image references (a vision-language model); a completion's ``prompt_ids`` are then
+    the prompt as the model sees it (vLLM's expansion of each image token). ``banned``: token ids never sampled
+    (a vision-language model's image tokens; the log-probs are then over the others, as the learners compute them)."""
+    from vllm import SamplingParams
+
+    allowed = allowed_tokens(llm, banned)
     params = [
         SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, seed=None if seed is None else request_seed(seed, i),
-                       logprobs=0 if logprobs else None)
+                       logprobs=0 if logprobs else None, allowed_token_ids=allowed)
         for i in range(len(prompt_ids))
     ]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+    outs = llm.generate(prompts_of(prompt_ids, images), params, use_tqdm=False)
     result = []
     for p, o in zip(prompt_ids, outs, strict=True):
         group = []
+        seen = list(o.prompt_token_ids) if images is not None else list(p)
         for c in o.outputs:
             lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)] if logprobs else None
-            group.append(Completion(list(p), list(c.token_ids), c.text, lps, c.finish_reason))
+            group.append(Completion(seen, list(c.token_ids), c.text, lps, c.finish_reason))
         result.append(group)
     return result
 
 
-def sequence_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
+def sequence_logprobs(llm, sequences: list[list[int]], images: list[list[str]] | None = None) -> list[list[float]]:
     """vLLM's log-probability of every token after the first, for each token-id sequence.
 
-    The probe that verifies weights: compare with the learner's ``token_logps`` on the same ids.
+    The probe that verifies weights: compare with the learner's ``token_logps`` on the same ids. ``images``: as
+    :func:`generate`'s (the sequences then hold one image token per image; the log-probs are of the expanded ones).
     """
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
-    return [[d[t].logprob for t, d in zip(s[1:], o.prompt_logprobs[1:], strict=True)] for s, o in zip(sequences, outs, strict=True)]
+    outs = llm.generate(prompts_of(sequences, images), params, use_tqdm=False)
+    return [[d[t].logprob for t, d in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)] for o in outs]
 
 
 def probe_rank(job: dict, rank: int, world_size: int) -> dict:

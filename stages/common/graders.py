@@ -6,6 +6,7 @@ A grader is ``grader(response: str, label) -> bool | float`` (a float in [0, 1] 
 (``module:function``, ``file.py``, ``file.py:function``; a file's default function is ``grade``):
 
 - ``arithmetic``: the embedded addition task (the response's last integer equals the label);
+- ``visual``: the built-in visual task (the response's first word equals the label);
 - ``math``: math answers with ``math-verify`` (as OpenRLHF): the answer is what follows the last ``####``
   (GSM8K) or the last ``\\boxed{}``, else the last number or expression math-verify finds; the label may be a
   GSM8K solution (its ``#### N``), a number or LaTeX. Equal values match (``1/2`` and ``0.5``).
@@ -26,7 +27,8 @@ from typing import Any
 from stages.common.plugins import load_callable
 
 # built-ins live in this module, so the code version of a stage that imports it covers them
-BUILTIN = {"arithmetic": "stages.common.graders:arithmetic_correct", "math": "stages.common.graders:math_correct"}
+BUILTIN = {"arithmetic": "stages.common.graders:arithmetic_correct", "math": "stages.common.graders:math_correct",
+           "visual": "stages.common.graders:first_word_correct"}
 _HASHES = re.compile(r"####\s*(.+)")
 
 
@@ -55,6 +57,12 @@ def _answer_text(text: str) -> str:
     """The part of a response or label that holds the answer: after the last ``####``, else all of it."""
     found = _HASHES.findall(text)
     return found[-1].strip().replace(",", "") if found else text
+
+
+def first_word_correct(response: str, label: Any) -> bool:
+    """The visual task (``datasets_prep.visual_task``): the response's first word, case and punctuation aside, is the label."""
+    words = re.findall(r"[A-Za-z0-9]+", response)
+    return bool(words) and words[0].lower() == str(label).strip().lower()
 
 
 def arithmetic_correct(response: str, label: Any) -> bool:

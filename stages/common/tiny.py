@@ -32,7 +32,11 @@ CHAT_TEMPLATE = (
     "({{ t['function']['parameters']['properties'] | join(', ') }}){% if not loop.last %}; {% endif %}{% endfor %}"
     "<|end|>{% endif %}"
     # an assistant turn's tool_calls (TRL's and OpenAI's message form) in the Hermes format the tool task uses
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<tool_call>"
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    # content: text, or parts (a vision-language model's): {"type": "image"} as the processor's image token
+    "{% if m['content'] is string or m['content'] is none %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>"
     "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
     "<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -42,7 +46,13 @@ PRESETS = {
     "micro": (128, 2, 2, 256),  # ~0.46M parameters: unit tests
     "tiny": (256, 4, 4, 688),  # ~3.4M parameters: the default run
     "small": (512, 8, 8, 1376),  # ~25M parameters: GPU smoke runs
+    "tiny-vl": (128, 2, 2, 256),  # ~0.53M parameters, a vision-language model (build_vision_model)
 }
+# tiny-vl's vision tower: (width, layers, heads, intermediate, image size, patch); 56x56 images, 16 patches of 14,
+# merged 2x2 by the connector into 4 image tokens (one per 28x28 quadrant)
+VISION = (64, 1, 1, 128, 56, 14)
+VISION_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]  # what Idefics3's processor looks up
 
 
 STAGE = "tiny_model"
@@ -51,7 +61,7 @@ STAGE = "tiny_model"
 class TinyModelConfig(StageConfig):
     model_config = ConfigDict(extra="forbid")
 
-    preset: Literal["micro", "tiny", "small"] = Field("tiny", description="the model's size: micro (0.46M parameters), tiny (3.4M), small (25M); a Llama built here with a locally trained tokenizer")
+    preset: Literal["micro", "tiny", "small", "tiny-vl"] = Field("tiny", description="the model's size: micro (0.46M parameters), tiny (3.4M), small (25M), a Llama built here with a locally trained tokenizer; tiny-vl (0.53M): a vision-language model (Idefics3, SmolVLM's architecture) with its processor, for the visual task (datasets_prep.visual_task)")
     vocab_size: int = Field(512, description="the tokenizer's vocabulary (trained on the embedded task's text)")
     max_position_embeddings: int = Field(512, description="the longest sequence the model takes")
     seed: int = Field(0, description="initial weights and tokenizer training")
@@ -77,8 +87,12 @@ def run_tiny_model(config: TinyModelConfig, *, run: StageRun | None = None) -> C
     done = committed_checkpoint(run)
     if done is not None:
         return done
-    tokenizer = build_tokenizer(config.vocab_size, config.seed, config.tools)
-    model = build_model(config, tokenizer)
+    vision = config.preset.endswith("-vl")
+    tokenizer = build_tokenizer(config.vocab_size, config.seed, config.tools, vision)
+    if vision:
+        model, tokenizer = build_vision_model(config, tokenizer)  # tokenizer: the processor (it saves its tokenizer)
+    else:
+        model = build_model(config, tokenizer)
     with run.claimed() as folder, staging(folder / "checkpoint") as tmp:
         dest = folder / "checkpoint"
         tokenizer.save_pretrained(tmp)
@@ -93,9 +107,9 @@ def run_tiny_model(config: TinyModelConfig, *, run: StageRun | None = None) -> C
         )
 
 
-def build_tokenizer(vocab_size: int = 512, seed: int = 0, tools: bool = False):
+def build_tokenizer(vocab_size: int = 512, seed: int = 0, tools: bool = False, vision: bool = False):
     """``tools``: trained on the tool task's text too, its call markers added as (non-special) tokens, so the
-    calls stay in decoded text and take a few tokens each."""
+    calls stay in decoded text and take a few tokens each; ``vision``: on the visual task's text too."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,6 +136,10 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0, tools: bool = False):
         from datasets_prep.tool_task import corpus as tool_corpus
 
         texts += tool_corpus(seed)
+    if vision:
+        from datasets_prep.visual_task import corpus as visual_corpus
+
+        texts += visual_corpus(seed)
     tok.train_from_iterator(texts, trainer=trainer)
     if tools:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
@@ -164,3 +182,32 @@ def build_model(config: TinyModelConfig, tokenizer):
         pad_token_id=tokenizer.pad_token_id,
     )
     return model
+
+
+def build_vision_model(config: TinyModelConfig, tokenizer):
+    """An Idefics3 vision-language model (a SigLIP tower, a pixel-shuffle connector, a Llama language model of the
+    preset's size) and its processor: the tokenizer with the vision tokens, Idefics3's PIL image processor (no
+    torchvision) at one 56x56 tile per image, the chat template. Returns (model, processor)."""
+    import torch
+    from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    width, depth, vheads, vinter, size, patch = VISION
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": size},
+                                       max_image_size={"longest_edge": size})
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=(size // patch) ** 2 // 4,
+                                  chat_template=CHAT_TEMPLATE)
+    hidden, layers, heads, inter = PRESETS[config.preset]
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=heads, intermediate_size=inter, max_position_embeddings=config.max_position_embeddings,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, **ids)
+    cfg = Idefics3Config(text_config=text.to_dict(), scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_config=dict(hidden_size=width, intermediate_size=vinter, num_hidden_layers=depth,
+                                            num_attention_heads=vheads, image_size=size, patch_size=patch),
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(config.seed)
+    model = Idefics3ForConditionalGeneration(cfg)
+    model.generation_config = GenerationConfig(**ids)
+    return model, processor

@@ -117,6 +117,11 @@ def build_engine(model_path: str, train: TrainConfig, lora: LoraConfig, total_st
     verify(model_path)
     torch.manual_seed(train.seed)
     model = model_loader(model_path)
+    from stages.common.vision import freeze_vision_tower, is_vision, language_lora_targets
+
+    vision = is_vision(model_path)
+    if vision and train.freeze_vision_tower:
+        freeze_vision_tower(model)
     if train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -133,7 +138,7 @@ def build_engine(model_path: str, train: TrainConfig, lora: LoraConfig, total_st
                 r=lora.rank,
                 lora_alpha=lora.alpha,
                 lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
+                target_modules=language_lora_targets(model, lora.target_modules) if vision else lora.target_modules,
                 task_type=task,
             ),
         )
@@ -159,8 +164,9 @@ def build_reference_engine(path: str, train: TrainConfig):
     """A frozen, optimizer-less DeepSpeed engine (ZeRO-3 partitioned when the policy is): DPO's and RL's
     reference model. Returns the engine and the ``HfDeepSpeedConfig`` to keep alive beside it."""
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
+
+    from stages.common.vision import model_class
 
     ds = {
         "train_micro_batch_size_per_gpu": train.micro_train_batch_size,
@@ -169,7 +175,7 @@ def build_reference_engine(path: str, train: TrainConfig):
         "bf16": {"enabled": train.dtype == "bf16"},
     }
     keep = HfDeepSpeedConfig(ds) if train.zero_stage == 3 else None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+    model = model_class(path).from_pretrained(path, dtype=torch.float32, use_safetensors=True)
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=ds)
     engine.eval()
