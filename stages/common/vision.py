@@ -108,6 +108,21 @@ def expand_images(ids: list[int], mask: list[int], refs: list[str], processor_pa
     return out_ids, out_mask
 
 
+def collapse_images(ids: list[int], refs: list[str], processor_path: str) -> list[int]:
+    """The inverse of :func:`expand_images`: each image's block in ``ids`` (in order) back to one image token, as
+    vLLM takes a prompt with its images."""
+    image_id = load_processor(processor_path).tokenizer.convert_tokens_to_ids(load_processor(processor_path).image_token)
+    out, at = [], 0
+    for ref in refs:
+        block = image_block(processor_path, ref)
+        start = next((i for i in range(at, len(ids) - len(block) + 1) if ids[i : i + len(block)] == block), None)
+        if start is None:
+            raise ValueError(f"no block of image {ref[:60]!r} in the sequence after position {at}")
+        out += ids[at:start] + [image_id]
+        at = start + len(block)
+    return out + ids[at:]
+
+
 def pixel_inputs(processor_path: str, images: list[list[str]]) -> dict:
     """The image processor's tensors for a batch (``images``: each row's image references, in order) that the
     model's forward takes; empty when no row has an image."""

@@ -76,18 +76,19 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
     eval_rows = load_rows(config.eval_data, check_prompt_label_row(config.eval_data)) if config.eval_data else []
     if len(rows) < config.rollout.rollout_batch_size:
         raise DataError(f"{', '.join(config.data.paths)}: {len(rows)} prompts, fewer than rollout_batch_size={config.rollout.rollout_batch_size}")
+    images = check_images(config, policy, rows, eval_rows)
     cpus = config.ray.num_cpus or max(os.cpu_count() or 1, config.train.world_size)
     with run.claimed() as run_dir, staging(run_dir / "checkpoint") as tmp, ray_cluster(
             config.cluster.address, cpus, config.cluster.ship_code, config.cluster.connect_timeout_s):
         deadlines = Deadlines(config.ray.call_timeout_s, config.ray.startup_timeout_s)
         trainers, engines, scorer = start_actors(config, plan, policy.path, critic_init.path if critic_init else None,
-                                                 reward_model.path if reward_model else None, deadlines, run_dir)
+                                                 reward_model.path if reward_model else None, deadlines, run_dir, images)
         rewards = EpisodeReward() if agent else ModelReward(scorer, deadlines.call) if scorer else \
             TextReward(text, tokenizer, config.data.label_key, keep_special=tools is not None)
         if tools is not None and not agent:  # tools-only episodes: scored by the reward source, their counts logged
             rewards = WithEpisodeLogs(rewards)
-        sampler = Sampler(config, tokenizer, engines, rows, rewards, plan.rollout_logp, agent, tools)
-        sync = WeightSync(config, trainers.learners, engines, deadlines, trainers.gpu)
+        sampler = Sampler(config, tokenizer, engines, rows, rewards, plan.rollout_logp, agent, tools, images)
+        sync = WeightSync(config, trainers.learners, engines, deadlines, trainers.gpu, images, policy.path)
         sync.connect()
         trainers.offload()  # train.enable_sleep: the engines generate first
         export = functools.partial(trainers.export, tokenizer_path=policy.path)  # with LoRA: the adapter, on its policy
@@ -97,6 +98,31 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
         lora = config.lora.enabled
         return commit_output(run_dir, tmp, config.train.save_best, dict(
             stage=STAGE, kind="adapter" if lora else "full", config_hash=run.key, parent=policy, base=policy if lora else None), summary)
+
+
+def check_images(config: RLConfig, policy: CheckpointRef, rows: list[dict], eval_rows: list[dict]) -> list[list[str]] | None:
+    """A vision-language policy's run, before the cluster starts: every row's images (``data.image_key``) open, and
+    what is not supported with images is refused by name. Each row's image references, or None (a text run)."""
+    from datasets_prep.sft import row_images
+    from stages.common.vision import is_vision
+
+    vision = is_vision(policy.path)
+    for section, data in (("data", config.data), ("eval_data", config.eval_data)):
+        if data is not None and data.image_key is not None and not vision:
+            raise DataError(f"{section}.image_key is {data.image_key!r} but the policy {policy.path} is not a vision-language "
+                            "model (its config.json has no vision_config); use one (e.g. tiny:tiny-vl) or drop image_key")
+    if not vision:
+        return None
+    estimator = ADVANTAGE_ESTIMATORS[config.algo.advantage_estimator]
+    if estimator.needs_critic:
+        raise ValueError(f"algo.advantage_estimator={config.algo.advantage_estimator!r} needs a critic, which a vision-language "
+                         "policy does not get (as OpenRLHF); use a critic-free estimator (group_norm, reinforce_baseline, rloo, ...)")
+    if config.rollout.agent or config.rollout.tools:
+        raise ValueError("rollout.agent / rollout.tools with a vision-language policy: multi-turn episodes with images are "
+                         "not supported yet (single-turn image prompts are)")
+    for i, r in enumerate(eval_rows):
+        row_images(r, config.eval_data, f"{config.eval_data.paths[0]} row {i + 1}")
+    return [row_images(r, config.data, f"{config.data.paths[0]} row {i + 1}") for i, r in enumerate(rows)]
 
 
 class RLLoop:

@@ -75,9 +75,10 @@ class Samples:
     rollout_logp: torch.Tensor | None  # [B, T] vLLM's sampling log-probs at response positions (plan.rollout_logp)
     truncated: torch.Tensor  # [B] bool: the response hit max_new_tokens without a stop token (finish_reason "length")
     completions: list[Any] = field(default_factory=list)  # [B] what the engines (or an agent's episodes) returned
+    image_row: torch.Tensor | None = None  # [B] a vision-language model's: the data row whose images the sample saw
 
     @classmethod
-    def of(cls, prompt_index: list[int], groups: list[list[Any]], pad_id: int, with_logp: bool) -> Samples:
+    def of(cls, prompt_index: list[int], groups: list[list[Any]], pad_id: int, with_logp: bool, images: bool = False) -> Samples:
         flat = [c for group in groups for c in group]
         width = max(len(c.prompt_ids) + len(c.token_ids) for c in flat)
         b = len(flat)
@@ -93,12 +94,14 @@ class Samples:
             if logp is not None:
                 logp[i, p : p + r] = torch.tensor(c.logprobs)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
+        rows = torch.tensor([i for i, g in zip(prompt_index, groups, strict=True) for _ in g], dtype=torch.long) if images else None
         return cls(prompt_index, [list(c.prompt_ids) for c in flat], [list(c.token_ids) for c in flat],
-                   [c.text for c in flat], ids, attn, resp, logp, truncated, flat)
+                   [c.text for c in flat], ids, attn, resp, logp, truncated, flat, rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """What a forward pass needs."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "response_mask": self.response_mask}
+        """What a forward pass needs (a vision-language model's samples: their image rows too)."""
+        out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "response_mask": self.response_mask}
+        return out if self.image_row is None else {**out, "image_row": self.image_row}
 
 
 @dataclass
@@ -194,6 +197,7 @@ class TrainBatch:
     rollout_logp: torch.Tensor | None  # plan.rollout_logp: vLLM's sampling log-probs (IS correction)
     normaliser: float  # the loss aggregation's divisor over the whole optimizer step (all ranks)
     micro: tuple[tuple[int, int], ...] = ()  # the micro-batches' row ranges, in order (see micro_batches)
+    image_row: torch.Tensor | None = None  # [b] a vision-language model's: each row's data row (its images)
 
     def _map(self, fn) -> TrainBatch:
         """The same batch with ``fn`` applied to every tensor field (the None ones stay None)."""
@@ -212,7 +216,7 @@ class TrainBatch:
     def trimmed(self) -> TrainBatch:
         """The batch without the padding columns every row shares (rows are right-padded)."""
         width = used_width(self.attention_mask)
-        return self._map(lambda t: t[:, :width])
+        return self._map(lambda t: t[:, :width] if t.dim() == 2 else t)
 
     @property
     def size(self) -> int:
@@ -253,7 +257,7 @@ def updates_of(exp: Experience, cfg: RLConfig, n_ranks: int) -> list[list[TrainB
     into as many micro-batches as the rank that needs most (its forwards are collective under ZeRO-3)."""
     s, f = exp.samples, exp.forward
     whole = TrainBatch(s.input_ids, s.attention_mask, s.response_mask, exp.advantages, exp.returns,
-                       f.old_logp, f.ref_logp, f.values, s.rollout_logp, 0.0)
+                       f.old_logp, f.ref_logp, f.values, s.rollout_logp, 0.0, image_row=s.image_row)
     tb = cfg.train.train_batch_size
     per_rank: list[list[TrainBatch]] = [[] for _ in range(n_ranks)]
     for start in range(0, whole.size, tb):

@@ -84,23 +84,40 @@ class Rank(GroupRank):
 
 
 class Learner(Rank):
-    def setup(self, config: dict, policy_path: str, total_updates: int, master: tuple[str, int]) -> bool:
-        from transformers import AutoModelForCausalLM
-
+    policy_path: str | None = None
+    images: list[list[str]] | None = None  # a vision-language model's: each data row's image references
+    banned: torch.Tensor | None = None  # a vision-language model's image tokens
+    def setup(self, config: dict, policy_path: str, total_updates: int, images: list[list[str]] | None,
+              master: tuple[str, int]) -> bool:
+        """``images``: a vision-language model's, each data row's image references (a sample's ``image_row`` picks
+        its row's)."""
         from stages.common import trainer
+        from stages.common.vision import is_vision, load_policy, vision_token_ids
 
         self._join(config, master)
-        self.eng = trainer.build_engine(
-            policy_path, self.cfg.train, self.cfg.lora, total_updates,
-            lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, use_safetensors=True),
-        )
+        self.eng = trainer.build_engine(policy_path, self.cfg.train, self.cfg.lora, total_updates, load_policy)
+        self.policy_path, self.images, self.banned = policy_path, images, None
+        if is_vision(policy_path):  # what the engines never sample, out of the learners' distribution too
+            from transformers import AutoTokenizer
+
+            self.banned = torch.tensor(vision_token_ids(AutoTokenizer.from_pretrained(policy_path)), dtype=torch.long)
         self.ref = None
         if self.plan.ref_logp:
             self.ref, self._ref_keep = trainer.build_reference_engine(policy_path, self.cfg.train)
         return True
 
+    def pixels(self, image_row: torch.Tensor | None) -> dict:
+        """The pixel tensors of a batch's rows (a vision-language model's), on the device."""
+        if image_row is None or self.images is None:
+            return {}
+        from stages.common.trainer import device
+        from stages.common.vision import pixel_inputs
+
+        return {k: v.to(device()) for k, v in pixel_inputs(self.policy_path, [self.images[i] for i in image_row.tolist()]).items()}
+
     def _forward_logps(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       response_mask: torch.Tensor | None = None, with_entropy: bool = False, temperature: float | None = None):
+                       response_mask: torch.Tensor | None = None, with_entropy: bool = False, temperature: float | None = None,
+                       image_row: torch.Tensor | None = None):
         """Token log-probs (and the entropy of the distribution each was drawn from) of the policy sampled
         from: logits divided by the rollout temperature (``temperature=1.0``: the raw model, as vLLM's prompt
         log-probs on the probe). [b, T] each, entry t about token t. With ``response_mask``, the logits are
@@ -115,9 +132,12 @@ class Learner(Rank):
         if response_mask is not None and bool(response_mask.any()):
             start = max(0, int(response_mask.to(torch.long).argmax(-1)[response_mask.any(-1)].min()) - 1)
         out = module(input_ids=ids, attention_mask=attention_mask.to(device()), use_cache=False,
-                     logits_to_keep=ids.shape[1] - start)
+                     logits_to_keep=ids.shape[1] - start, **self.pixels(image_row))
         t = self.cfg.rollout.temperature if temperature is None else temperature
         logits = out.logits if t == 1.0 else out.logits / t  # positions start .. T-1
+        if self.banned is not None and temperature is None:  # the sampling distribution: image tokens banned (as
+            # vLLM's allowed_token_ids; finite, so masked-out positions stay 0 in sums); the probe's are raw
+            logits = logits.index_fill(-1, self.banned.to(logits.device), -1e9)
         logp = pad(token_logps(logits, ids[:, start:]), (start, 0))
         if not with_entropy:
             return logp
@@ -143,9 +163,10 @@ class Learner(Rank):
                 w = used_width(attn)
                 ids, attn = batch["input_ids"][i : i + micro, :w], attn[:, :w]
                 resp = batch["response_mask"][i : i + micro, :w] if "response_mask" in batch else None
+                rows = batch["image_row"][i : i + micro] if "image_row" in batch else None
                 for key, module, wanted in (("logp", self.eng.engine, policy), ("ref_logp", self.ref, reference)):
                     if wanted and module is not None:
-                        lp = self._forward_logps(module, ids, attn, resp, temperature=temperature).float().cpu()
+                        lp = self._forward_logps(module, ids, attn, resp, temperature=temperature, image_row=rows).float().cpu()
                         out[key].append(pad(lp, (0, width - w)))
         self.eng.engine.train()
         return {k: torch.cat(v) for k, v in out.items() if v}
@@ -162,7 +183,8 @@ class Learner(Rank):
         algo, plan = self.cfg.algo, self.plan
         mask = part.response_mask.float()
         keep = mask.bool()
-        logp, entropy = self._forward_logps(module, part.input_ids, part.attention_mask, part.response_mask, with_entropy=True)
+        logp, entropy = self._forward_logps(module, part.input_ids, part.attention_mask, part.response_mask, with_entropy=True,
+                                            image_row=part.image_row)
         # on-policy (one update per rollout): the behaviour policy is the current one
         old_logp = part.old_logp if plan.old_logp else logp.detach()
         loss_fn, corrected = POLICY_LOSSES[algo.policy_loss], algo.is_correction is not None
@@ -235,7 +257,7 @@ class Learner(Rank):
 
     def probe_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The raw model's log-probs (temperature 1, as vLLM's prompt log-probs) on the sync probe."""
-        whole = {k: batch[k] for k in ("input_ids", "attention_mask")}  # every position, prompt included
+        whole = {k: batch[k] for k in ("input_ids", "attention_mask", "image_row") if k in batch}  # every position, prompt included
         out = self.logprobs(whole, reference=False, temperature=1.0)["logp"]
         return out if self.rank == 0 else None
 
@@ -246,5 +268,7 @@ class Learner(Rank):
 
         from stages.common import trainer
 
-        trainer.export_hf(self.eng, Path(out_dir), AutoTokenizer.from_pretrained(tokenizer_path), self.rank)
+        from stages.common.vision import tokenizer_or_processor
+
+        trainer.export_hf(self.eng, Path(out_dir), tokenizer_or_processor(tokenizer_path), self.rank)
         return True

@@ -63,6 +63,7 @@ def engine_settings(cfg, colocated: bool) -> dict:
     the seed and the device)."""
     ro = cfg.rollout
     return dict(dtype=ro.dtype, max_model_len=ro.max_model_len, tensor_parallel_size=ro.tensor_parallel_size,
+                max_images=cfg.data.max_images_per_prompt if cfg.data.image_key else None,
                 enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization, colocated=colocated,
                 enable_sleep=ro.enable_sleep, worker_extension_cls=EXTENSION,
                 # sampled tokens' log-probs after temperature: the distribution the learners train on
@@ -79,14 +80,32 @@ class RolloutEngine:
     the run's engines; ``settings``: :func:`engine_settings`."""
 
     def __init__(self, model_path: str, index: int = 0, seed: int = 0, settings: dict | None = None):
+        from stages.common.vision import is_vision
+
         self.index, self.model_path, self._episodes = index, model_path, None
         self.llm = make_llm(model_path, seed=seed, **(settings or {"worker_extension_cls": EXTENSION,
                                                                    "logprobs_mode": "processed_logprobs"}))
+        self.banned = None  # a vision-language model's image tokens: never sampled
+        if is_vision(model_path):
+            from transformers import AutoTokenizer
+
+            from stages.common.vision import vision_token_ids
+
+            self.banned = vision_token_ids(AutoTokenizer.from_pretrained(model_path))
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, seed: int,
-                 logprobs: bool = False) -> list[list[Completion]]:
-        """``logprobs``: also the sampled tokens' log-probs (they cost ~20% of a tiny model's generation time on CPU)."""
-        return generate(self.llm, prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=logprobs)
+                 logprobs: bool = False, images: list[list[str]] | None = None) -> list[list[Completion]]:
+        """``logprobs``: also the sampled tokens' log-probs (they cost ~20% of a tiny model's generation time on CPU);
+        ``images``: each prompt's (a vision-language model's; the completions' prompt ids are then vLLM's expansion)."""
+        return generate(self.llm, prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=logprobs,
+                        images=images, banned=self.banned)
+
+    def _reset_caches(self) -> None:
+        """After new weights: the prefix cache, and a vision-language model's encoder cache (else the next request
+        with an image seen before fails with an encoder cache miss)."""
+        self.llm.reset_prefix_cache()
+        if self.banned is not None:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def run_episodes(self, jobs: list, spec) -> list:
         """Agent episodes, every one in flight at once (``stages.common.episodes``): :class:`stages.common.agents.Episode` s
@@ -101,7 +120,7 @@ class RolloutEngine:
 
     def update_weights(self, data: bytes) -> int:
         loaded = self.llm.collective_rpc("load_safetensors_bytes", args=(data,))
-        self.llm.reset_prefix_cache()
+        self._reset_caches()
         return loaded[0]
 
     def join_weight_group(self, host: str, port: int, offset: int, world_size: int, backend: str, timeout_s: float) -> list[int]:
@@ -117,7 +136,7 @@ class RolloutEngine:
 
         fault = injected_step("RLHF_FAULT_ENGINE_DIES", self.index)  # test hook: this engine dies mid-push
         loaded = self.llm.collective_rpc("receive_weights", args=(meta, bucket_bytes, fault))
-        self.llm.reset_prefix_cache()
+        self._reset_caches()
         return loaded[0]
 
     def sleep(self) -> bool:
@@ -129,8 +148,8 @@ class RolloutEngine:
         self.llm.wake_up(tags=tags)
         return True
 
-    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return sequence_logprobs(self.llm, sequences)
+    def sequence_logprobs(self, sequences: list[list[int]], images: list[list[str]] | None = None) -> list[list[float]]:
+        return sequence_logprobs(self.llm, sequences, images)
 
     def node(self) -> tuple[str, str]:
         from stages.common.cluster import node_of_actor
@@ -149,11 +168,12 @@ class EnginePool:
         self.engines, self.call, self.max_new_tokens = engines, call, max_new_tokens  # call: Deadlines.call
         self.sleeps, self.asleep = sleeps, set()  # rollout.enable_sleep; what is asleep: "weights", "kv_cache"
 
-    def launch(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False) -> list:
+    def launch(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, logprobs: bool = False,
+               images: list[list[str]] | None = None) -> list:
         """Start generating ``n`` samples per prompt on every engine; :meth:`gather` waits."""
         k = len(self.engines)
         return [e.generate.remote(prompt_ids[i::k], n=n, max_new_tokens=self.max_new_tokens, temperature=temperature,
-                                  seed=seed + i * 1_000_003, logprobs=logprobs)
+                                  seed=seed + i * 1_000_003, logprobs=logprobs, images=images[i::k] if images is not None else None)
                 for i, e in enumerate(self.engines)]
 
     def gather(self, refs: list) -> list[list[Completion]]:
@@ -207,6 +227,6 @@ class EnginePool:
             self.call([e.wake_up.remote(tags) for e in self.engines], "engine.wake_up")
             self.asleep -= set(tags)
 
-    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
-        """Every engine's prompt log-probs of ``sequences`` (one list per engine)."""
-        return self.call([e.sequence_logprobs.remote(sequences) for e in self.engines], "engine.sequence_logprobs")
+    def sequence_logprobs(self, sequences: list[list[int]], images: list[list[str]] | None = None) -> list[list[list[float]]]:
+        """Every engine's prompt log-probs of ``sequences`` (one list per engine; ``images``: each sequence's)."""
+        return self.call([e.sequence_logprobs.remote(sequences, images) for e in self.engines], "engine.sequence_logprobs")

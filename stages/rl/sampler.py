@@ -41,13 +41,14 @@ class Started:
 
 
 class SingleTurn:
-    """One response per sample, all sampled at once."""
+    """One response per sample, all sampled at once (a vision-language model's prompts with their rows' images)."""
 
-    def __init__(self, engines: EnginePool, prompt_ids: list[list[int]]):
-        self.engines, self.prompt_ids = engines, prompt_ids
+    def __init__(self, engines: EnginePool, prompt_ids: list[list[int]], images: list[list[str]] | None = None):
+        self.engines, self.prompt_ids, self.images = engines, prompt_ids, images
 
     def start(self, idx: list[int], n: int, temperature: float, seed: int, logprobs: bool) -> list:
-        return self.engines.launch([self.prompt_ids[i] for i in idx], n, temperature, seed, logprobs)
+        images = [self.images[i] for i in idx] if self.images is not None else None
+        return self.engines.launch([self.prompt_ids[i] for i in idx], n, temperature, seed, logprobs, images)
 
     def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool) -> list:
         return self.engines.gather(started.refs)
@@ -82,20 +83,29 @@ class Episodes:
 
 class Sampler:
     def __init__(self, cfg: RLConfig, tokenizer, engines: EnginePool, rows: list[dict], rewards: RewardSource,
-                 with_logp: bool, agent=None, tools=None):
-        """``agent``, ``tools``: the run's (``stages.rl.preflight.plugins``); with either the rollouts are episodes."""
-        self.cfg, self.tok, self.rows, self.with_logp = cfg, tokenizer, rows, with_logp
+                 with_logp: bool, agent=None, tools=None, images: list[list[str]] | None = None):
+        """``agent``, ``tools``: the run's (``stages.rl.preflight.plugins``); with either the rollouts are episodes.
+        ``images``: a vision-language model's, each row's image references (``data.image_key``)."""
+        self.cfg, self.tok, self.rows, self.with_logp, self.images = cfg, tokenizer, rows, with_logp, images
         self.tool_schemas = tools.schemas if tools is not None else None
         self.rewards = Timed(rewards)
         render = self.render
         episodes = agent is not None or cfg.rollout.tools is not None
         self.kind = Episodes(engines, self.render_text, cfg) if episodes else \
-            SingleTurn(engines, [render(r[cfg.data.prompt_key]) for r in rows])
+            SingleTurn(engines, [render(self.pictured(r, i, cfg.data)) for i, r in enumerate(rows)], images)
         self.engines = engines
         ro = cfg.rollout
         self.schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
         # dynamic filtering's extra prompts: a schedule of its own, so the main batches stay as without filtering
         self.extra_schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed + 7_919)
+
+    def pictured(self, row: dict, i: int, data):
+        """A row's prompt, with its images' parts when it has images (``data.image_key``)."""
+        if data.image_key is None:
+            return row[data.prompt_key]
+        from datasets_prep.sft import prompt_images
+
+        return prompt_images(row, data, data.prompt_key, f"row {i + 1}")[0]
 
     def render(self, prompt) -> list[int]:
         return self.tok(self.render_text(prompt), add_special_tokens=False)["input_ids"]
@@ -128,7 +138,7 @@ class Sampler:
         ro = self.cfg.rollout
         rows = [self.rows[i] for i in started.idx]
         groups = self.kind.finish(started, rows, self.cfg.data, ro.n_samples_per_prompt, ro.temperature, self.with_logp)
-        samples = Samples.of(started.idx, groups, self.tok.pad_token_id, self.with_logp)
+        samples = Samples.of(started.idx, groups, self.tok.pad_token_id, self.with_logp, images=self.images is not None)
         return groups, samples, self.rewards.score(rows, samples)
 
     def collect(self, step: int, started: Started) -> Rollout:
@@ -167,7 +177,7 @@ class Sampler:
                 f"after algo.dynamic_filtering_max_batches={algo.dynamic_filtering_max_batches} extra batches; widen the "
                 "range, allow more extra batches, or use data the policy neither always solves nor always fails"
             )
-        samples = Samples.of(kept_idx[:want], kept_groups[:want], self.tok.pad_token_id, self.with_logp)
+        samples = Samples.of(kept_idx[:want], kept_groups[:want], self.tok.pad_token_id, self.with_logp, images=self.images is not None)
         scores = Scores.cat(kept_scores).rows(list(range(want * n)))
         return Rollout(samples, scores, {"filtered_share": 1 - (len(kept_idx) / drawn), "prompts_drawn": float(drawn)})
 
@@ -179,7 +189,13 @@ class Sampler:
         data = self.cfg.eval_data
         started = Started(list(range(len(rows))), self.cfg.seed, None)
         if isinstance(self.kind, SingleTurn):
-            started.refs = self.engines.launch([self.render(r[data.prompt_key]) for r in rows], 1, 0.0, self.cfg.seed)
+            images = None
+            if data.image_key is not None:
+                from datasets_prep.sft import row_images
+
+                images = [row_images(r, data, f"eval row {i + 1}") for i, r in enumerate(rows)]
+            started.refs = self.engines.launch([self.render(self.pictured(r, i, data)) for i, r in enumerate(rows)], 1, 0.0,
+                                               self.cfg.seed, images=images)
         groups = self.kind.finish(started, rows, data, 1, 0.0, False)
         samples = Samples.of(started.idx, groups, self.tok.pad_token_id, with_logp=False)
         if grader is not None:
