@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import re
 from pathlib import Path
 
 from datasets_prep.loading import DataError
@@ -55,9 +56,7 @@ def _from_bytes(data: bytes, where: str) -> str:
 def _from_path(value: str, where: str, base: Path | None) -> str:
     from PIL import Image, UnidentifiedImageError
 
-    path = Path(value).expanduser()
-    if not path.is_absolute():
-        path = next((p for p in ([base / path] if base else []) + [Path.cwd() / path] if p.is_file()), path)
+    path = _existing(value, base) or Path(value).expanduser()
     if not path.is_file():
         tried = f" (looked in {base} and {Path.cwd()})" if base else ""
         raise DataError(f"{where}: image file {value!r} does not exist{tried}")
@@ -67,6 +66,27 @@ def _from_path(value: str, where: str, base: Path | None) -> str:
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DataError(f"{where}: image file {path} is not a readable image ({type(e).__name__}: {e})") from None
     return str(path.resolve())
+
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+")
+
+
+def _existing(value: str, base: Path | None) -> Path | None:
+    """The file a path names (relative: against ``base``, then the working directory), or None."""
+    path = Path(value).expanduser()
+    candidates = [path] if path.is_absolute() else ([base / path] if base else []) + [Path.cwd() / path]
+    try:
+        return next((p for p in candidates if p.is_file()), None)
+    except OSError:  # a name too long to be a path
+        return None
+
+
+def _from_base64(value: str, where: str) -> str:
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise DataError(f"{where}: base64 text that does not decode ({e})") from None
+    return _from_bytes(data, where)
 
 
 def _one(value, where: str, base: Path | None) -> str:
@@ -82,13 +102,10 @@ def _one(value, where: str, base: Path | None) -> str:
             head, _, body = value.partition(",")
             if ";base64" not in head:
                 raise DataError(f"{where}: a data: URI without base64 ({head!r}); expected data:image/...;base64,...")
-            value = body
-        elif len(value) < 512 and not value.endswith("=") and ("/" in value or "." in value[-6:]):
-            return _from_path(value, where, base)
-        try:
-            return _from_bytes(base64.b64decode(value, validate=True), where)
-        except (binascii.Error, ValueError):
-            return _from_path(value, where, base)
+            return _from_base64(body, where)
+        if _existing(value, base) is None and len(value) >= 64 and _BASE64.fullmatch(value):
+            return _from_base64(value, where)  # not a file: base64 text
+        return _from_path(value, where, base)
     elif hasattr(value, "save") and hasattr(value, "size"):  # a PIL image (a decoded datasets Image)
         return encode_png(value.convert("RGB"))
     raise DataError(f"{where}: an image value of type {type(value).__name__} ({value!r:.60}); expected {EXPECTED}")

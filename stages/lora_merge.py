@@ -66,17 +66,19 @@ def run_lora_merge(config: LoraMergeConfig, adapter: CheckpointRef, base: Checkp
 def merge_to(adapter_path: str, base_path: str, out: Path, reward: bool, reward_stats: dict) -> None:
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
+
+    from stages.common.vision import load_policy, tokenizer_or_processor
 
     if reward:
         model = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=1, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        model = load_policy(base_path)  # a vision-language model: its auto class, its processor saved below
     merged = PeftModel.from_pretrained(model, adapter_path).merge_and_unload()
     # the reward model's normalisation stats travel in the adapter's manifest
     merged.config.update({k: v for k, v in reward_stats.items() if k.startswith("reward_")})
     merged.save_pretrained(str(out), safe_serialization=True)
-    AutoTokenizer.from_pretrained(base_path).save_pretrained(str(out))
+    tokenizer_or_processor(base_path).save_pretrained(str(out))
 
 
 def main(argv: list[str] | None = None) -> None:
