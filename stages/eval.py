@@ -253,28 +253,34 @@ def write_report(folder: Path, config: EvalConfig, metrics: dict[str, dict], sam
     return EvalReport(folder=str(folder), markdown=str(folder / "report.md"), plot=str(plot), metrics=metrics)
 
 
+def _prompts(config: EvalConfig, model: str, tokenizer, rows: list[dict]) -> tuple[list[list[int]], dict]:
+    """The rows' prompt ids, and what generation needs besides for a vision-language model: each row's images (with
+    ``data.image_key``) and the image tokens it must not sample."""
+    from datasets_prep.sft import prompt_images, render_prompt
+    from stages.common.vision import is_vision, vision_token_ids
+
+    data = config.data
+    shown = [prompt_images(r, data, data.prompt_key, f"row {i + 1}") for i, r in enumerate(rows)]
+    prompts = [tokenizer(render_prompt(tokenizer, p, data), add_special_tokens=False)["input_ids"] for p, _ in shown]
+    images = [refs for _, refs in shown] if data.image_key else None
+    return prompts, dict(images=images, banned=vision_token_ids(tokenizer) if is_vision(model) else None)
+
+
 def generate_rank(job: dict, rank: int, world_size: int) -> dict:
     """Launcher target: greedy and sampled responses of one checkpoint, graded."""
     from transformers import AutoTokenizer
 
-    from datasets_prep.sft import render_prompt
     from stages.common.generation import generate, make_llm
-
-    from datasets_prep.sft import prompt_images
-    from stages.common.vision import is_vision, vision_token_ids
 
     config = EvalConfig.model_validate(job["config"])
     grader = load_grader(config.grader)
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
-    rows, data = job["rows"], config.data
-    labels = [r[data.label_key] for r in rows]
-    shown = [prompt_images(r, data, data.prompt_key, f"row {i + 1}") for i, r in enumerate(rows)]
-    prompts = [tokenizer(render_prompt(tokenizer, p, data), add_special_tokens=False)["input_ids"] for p, _ in shown]
-    vision = is_vision(job["model"])
-    images = [refs for _, refs in shown] if data.image_key else None
-    see = dict(images=images, banned=vision_token_ids(tokenizer) if vision else None)  # a vision-language model's
+    rows = job["rows"]
+    labels = [r[config.data.label_key] for r in rows]
+    prompts, see = _prompts(config, job["model"], tokenizer, rows)
+    images = see["images"]
     llm = make_llm(job["model"], seed=config.seed, dtype=config.dtype, max_model_len=config.max_model_len,
-                   max_images=data.max_images_per_prompt if vision else None)
+                   max_images=config.data.max_images_per_prompt if see["banned"] is not None else None)
     if config.agent or config.tools:
         return _episodes_rank(config, llm, tokenizer, rows, grader)
     greedy = [g[0] for g in generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=0.0, **see)]
@@ -290,17 +296,23 @@ def generate_rank(job: dict, rank: int, world_size: int) -> dict:
         "sample_logps": [],
     }
     if config.num_samples:
-        sampled = generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                           n=config.num_samples, seed=config.seed, **see)
-        hits = [sum(grade(grader, c.text, a, f"row {i + 1}") >= 1.0 for c in group)
-                for i, (group, a) in enumerate(zip(sampled, labels, strict=True))]
-        out["pass_at_k"] = _mean_pass_at_k(config, hits)
-        out["samples"] = [[c.prompt_ids, c.token_ids] for group in sampled for c in group]
-        if images is None:  # the KL to a reference is estimated on text prompts (image samples: not yet)
-            out["sample_logps"] = _response_logps(llm, out["samples"])
-        else:
-            out["samples"] = []
+        out.update(_sampled(config, llm, prompts, labels, grader, see))
     return out
+
+
+def _sampled(config: EvalConfig, llm, prompts: list[list[int]], labels: list, grader, see: dict) -> dict:
+    """pass@k from ``num_samples`` samples per prompt, and the samples with their log-probs for the KL estimate
+    (text prompts only: the KL on image prompts is not estimated yet)."""
+    from stages.common.generation import generate
+
+    sampled = generate(llm, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                       n=config.num_samples, seed=config.seed, **see)
+    hits = [sum(grade(grader, c.text, a, f"row {i + 1}") >= 1.0 for c in group)
+            for i, (group, a) in enumerate(zip(sampled, labels, strict=True))]
+    if see["images"] is not None:
+        return {"pass_at_k": _mean_pass_at_k(config, hits)}
+    samples = [[c.prompt_ids, c.token_ids] for group in sampled for c in group]
+    return {"pass_at_k": _mean_pass_at_k(config, hits), "samples": samples, "sample_logps": _response_logps(llm, samples)}
 
 
 def _mean_pass_at_k(config: EvalConfig, hits: list[int]) -> float:

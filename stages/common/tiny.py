@@ -189,7 +189,13 @@ def build_vision_model(config: TinyModelConfig, tokenizer):
     preset's size) and its processor: the tokenizer with the vision tokens, Idefics3's PIL image processor (no
     torchvision) at one 56x56 tile per image, the chat template. Returns (model, processor)."""
     import torch
-    from transformers import GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig
+    from transformers import (
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        LlamaConfig,
+    )
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})

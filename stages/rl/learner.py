@@ -264,10 +264,7 @@ class Learner(Rank):
     def export(self, out_dir: str, tokenizer_path: str) -> bool:
         from pathlib import Path
 
-        from transformers import AutoTokenizer
-
         from stages.common import trainer
-
         from stages.common.vision import tokenizer_or_processor
 
         trainer.export_hf(self.eng, Path(out_dir), tokenizer_or_processor(tokenizer_path), self.rank)

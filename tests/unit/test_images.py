@@ -86,7 +86,14 @@ def tiny_vl(tmp_path_factory):
 
 def test_image_blocks_expand_and_collapse_and_only_vision_tokens_are_banned(tiny_vl):
     from datasets_prep.images import encode_png
-    from stages.common.vision import collapse_images, expand_images, image_block, is_vision, load_processor, vision_token_ids
+    from stages.common.vision import (
+        collapse_images,
+        expand_images,
+        image_block,
+        is_vision,
+        load_processor,
+        vision_token_ids,
+    )
 
     proc = load_processor(tiny_vl)
     tok = proc.tokenizer
