@@ -18,6 +18,10 @@ Prints the tables and writes bench/results/rl_step.json.
 (``python -m bench.rl_step mode=sync [presets=tiny,small] [steps=6] [learners=2] [engines=2]``; writes
 bench/results/rl_sync.json).
 
+``mode=vision``: the step on the tiny vision-language model (image prompts) beside the text model of its language
+model's size (``python -m bench.rl_step mode=vision [steps=12] [prompts=32] [group=8]``; writes
+bench/results/rl_step_vision.json).
+
 Run: ``python -m bench.rl_step [model=PATH|preset=tiny] [steps=12] [prompts=32] [group=8] [tokens=16,128]
 [max_tokens=2560] [generation=1] [systems=trl,trl16,ours,async,bf16]`` (``max_tokens``: our learner's
 micro-batch budget in positions; another model than the default writes ``rl_step_<preset>.json``)
@@ -129,6 +133,7 @@ def training_flops(model_path: str, tokens_per_sample: float, samples: int) -> f
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_path)
+    c = getattr(c, "text_config", None) or c  # a vision-language model: its language model (the tower is not counted)
     h, layers, inter, v = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
     per_layer = 4 * h * h + 3 * h * inter  # q, k, v, o (no grouped heads in the presets) + the gated MLP
     params = layers * per_layer + h * v  # + the output head
@@ -272,6 +277,27 @@ def setting(model: str, prompts: list[str], labels: list[str], prompt_ids: list[
 
 TRANSPORTS = ("broadcast", "object_store")
 SYNC_OUT = OUT.with_name("rl_sync.json")
+VISION_OUT = OUT.with_name("rl_step_vision.json")
+
+
+def vision_phase(steps: int, prompts_n: int, group: int) -> dict:
+    """``mode=vision``: our RL step on the tiny vision-language model (image prompts from the visual task) beside the
+    text model of its language model's size (``micro``, the addition task), same batch, same new tokens, in one run."""
+    from stages.common.models import resolve_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for preset, what, extra in (
+            ("micro", "text (micro Llama, addition prompts)", ()),
+            ("tiny-vl", "vision-language (tiny-vl, visual-task image prompts)",
+             (f"data.paths=[{ROOT / 'data/visual/rl_prompts.jsonl'}]", "data.image_key=images",
+              f"reward={json.dumps({'func': str(ROOT / 'recipes/rewards/visual.py')})}")),
+        ):
+            model = resolve_model(f"tiny:{preset}", root).path
+            r = ours_step(model, group, prompts_n, 4, steps, extra, prompt_tokens=12.0)
+            rows.append({"model": what, "parameters_m": round(_parameters(model) / 1e6, 2), "step_s": r["step_s"],
+                         **r["phases"], "worst_sync_logprob_diff": r["worst_sync_logprob_diff"]})
+    return {"steps": steps, "prompts": prompts_n, "group": group, "max_new_tokens": 4, "rows": rows}
 
 
 def sync_phase(presets: list[str], steps: int, learners: int, engines: int) -> dict:
@@ -327,6 +353,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {SYNC_OUT}")
         return
     steps, n_prompts, group = int(args.get("steps", 12)), int(args.get("prompts", 32)), int(args.get("group", 8))
+    if args.get("mode") == "vision":
+        out = vision_phase(steps, n_prompts, group)
+        print(f"\nRL step, text vs vision-language model of the same language-model size ({n_prompts} prompts x {group} "
+              f"samples, 4 new tokens, fp32; median of the settled steps)\n")
+        print(table(out["rows"], ["model", "parameters_m", "step_s", *PHASES, "worst_sync_logprob_diff"]))
+        VISION_OUT.parent.mkdir(parents=True, exist_ok=True)
+        VISION_OUT.write_text(json.dumps({"device": "cuda" if cuda() else "cpu", **out}, indent=2))
+        print(f"wrote {VISION_OUT}")
+        return
     lengths = [int(t) for t in args.get("tokens", "16,128").split(",")]
     budget = int(args.get("max_tokens", 2560))
     model = args.get("model")
