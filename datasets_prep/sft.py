@@ -232,9 +232,14 @@ def tokenize_sft_row(row: dict, tokenizer, config: DataConfig, processor_path: s
         from stages.common.vision import expand_images
 
         refs = row_images(row, config, where)
-        value = with_images(row[config.input_key], len(refs), where) if refs else row[config.input_key]
-        ex = tokenize_sft_row({**row, config.input_key: value}, tokenizer, config.model_copy(update={"image_key": None}))
-        return Example(*expand_images(ex.input_ids, ex.loss_mask, refs, processor_path), refs) if refs else ex
+        if not refs:
+            return _tokenize_text_row(row, tokenizer, config)
+        ex = _tokenize_text_row({**row, config.input_key: with_images(row[config.input_key], len(refs), where)}, tokenizer, config)
+        return Example(*expand_images(ex.input_ids, ex.loss_mask, refs, processor_path), refs)
+    return _tokenize_text_row(row, tokenizer, config)
+
+
+def _tokenize_text_row(row: dict, tokenizer, config: DataConfig) -> Example:
     value = row[config.input_key]
     if config.pretrain_mode:
         ids = _ids(tokenizer, value) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])

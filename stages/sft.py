@@ -99,7 +99,7 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
     from transformers import AutoTokenizer
 
     from stages.common import trainer
-    from stages.common.vision import is_vision, load_policy, pixel_inputs, tokenizer_or_processor
+    from stages.common.vision import load_policy, pixel_inputs, tokenizer_or_processor
 
     config = SFTConfig.model_validate(job["config"])
     trainer.init_distributed()
@@ -110,11 +110,10 @@ def train_rank(job: dict, rank: int, world_size: int) -> dict:
     saved = tokenizer_or_processor(base_path)  # what goes beside the weights (a processor keeps its image settings)
     total = total_steps(config.train, len(items))
     eng = trainer.build_engine(base_path, config.train, config.lora, total, load_policy)
-    vision = is_vision(base_path)
 
-    def collate(chunk):  # a vision-language model's rows: the images' pixel tensors too
+    def collate(chunk):  # rows with images: their pixel tensors too (packed rows have none: no packing with images)
         batch = collate_ids(chunk, tokenizer.pad_token_id)
-        return {**batch, **pixel_inputs(base_path, [e.images for e in chunk])} if vision else batch
+        return {**batch, **pixel_inputs(base_path, [e.images for e in chunk])} if isinstance(chunk[0], Example) else batch
 
     run_dir = Path(job["run_dir"])
     eval_items = [Example(**d) for d in job.get("eval_examples") or []]

@@ -69,10 +69,6 @@ def vision_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None and i not in ordinary)
 
 
-def image_token(processor) -> str:
-    return processor.image_token
-
-
 @lru_cache(maxsize=4096)
 def _block(path: str, ref: str) -> tuple[int, ...]:
     from datasets_prep.images import open_image
@@ -82,6 +78,11 @@ def _block(path: str, ref: str) -> tuple[int, ...]:
     return tuple(out["input_ids"][0])
 
 
+def _image_id(processor_path: str) -> int:
+    processor = load_processor(processor_path)
+    return processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+
+
 def image_block(processor_path: str, ref: str) -> list[int]:
     """The token ids one image takes in the model's input (the processor's expansion of one image token)."""
     return list(_block(processor_path, ref))
@@ -89,8 +90,7 @@ def image_block(processor_path: str, ref: str) -> list[int]:
 
 def expand_images(ids: list[int], mask: list[int], refs: list[str], processor_path: str) -> tuple[list[int], list[int]]:
     """``ids`` with each image token (one per image, in order) replaced by its image's block, out of the loss."""
-    tok = load_processor(processor_path).tokenizer
-    image_id = tok.convert_tokens_to_ids(load_processor(processor_path).image_token)
+    image_id = _image_id(processor_path)
     out_ids, out_mask, it = [], [], iter(refs)
     for t, m in zip(ids, mask, strict=True):
         if t != image_id:
@@ -111,7 +111,7 @@ def expand_images(ids: list[int], mask: list[int], refs: list[str], processor_pa
 def collapse_images(ids: list[int], refs: list[str], processor_path: str) -> list[int]:
     """The inverse of :func:`expand_images`: each image's block in ``ids`` (in order) back to one image token, as
     vLLM takes a prompt with its images."""
-    image_id = load_processor(processor_path).tokenizer.convert_tokens_to_ids(load_processor(processor_path).image_token)
+    image_id = _image_id(processor_path)
     out, at = [], 0
     for ref in refs:
         block = image_block(processor_path, ref)
@@ -156,11 +156,9 @@ def freeze_vision_tower(model) -> int:
     return frozen
 
 
-def language_lora_targets(model, targets) -> str | list[str]:
+def language_lora_targets(model, targets) -> str:
     """LoRA on the language model only: the target module names as a regular expression over the language model's
     modules (peft's ``target_modules`` as a string); ``all-linear`` is every linear layer there but the head."""
-    import re
-
     import torch
 
     towers = vision_tower_names(model)

@@ -103,7 +103,7 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
 def check_images(config: RLConfig, policy: CheckpointRef, rows: list[dict], eval_rows: list[dict]) -> list[list[str]] | None:
     """A vision-language policy's run, before the cluster starts: every row's images (``data.image_key``) open, and
     what is not supported with images is refused by name. Each row's image references, or None (a text run)."""
-    from datasets_prep.sft import row_images
+    from datasets_prep.sft import prompt_images
     from stages.common.vision import is_vision
 
     vision = is_vision(policy.path)
@@ -120,9 +120,10 @@ def check_images(config: RLConfig, policy: CheckpointRef, rows: list[dict], eval
     if config.rollout.agent or config.rollout.tools:
         raise ValueError("rollout.agent / rollout.tools with a vision-language policy: multi-turn episodes with images are "
                          "not supported yet (single-turn image prompts are)")
-    for i, r in enumerate(eval_rows):
-        row_images(r, config.eval_data, f"{config.eval_data.paths[0]} row {i + 1}")
-    return [row_images(r, config.data, f"{config.data.paths[0]} row {i + 1}") for i, r in enumerate(rows)]
+    for i, r in enumerate(eval_rows):  # their images open, and messages' image parts match them
+        prompt_images(r, config.eval_data, config.eval_data.prompt_key, f"{config.eval_data.paths[0]} row {i + 1}")
+    return [prompt_images(r, config.data, config.data.prompt_key, f"{config.data.paths[0]} row {i + 1}")[1]
+            for i, r in enumerate(rows)]
 
 
 class RLLoop:

@@ -87,6 +87,7 @@ class Learner(Rank):
     policy_path: str | None = None
     images: list[list[str]] | None = None  # a vision-language model's: each data row's image references
     banned: torch.Tensor | None = None  # a vision-language model's image tokens
+
     def setup(self, config: dict, policy_path: str, total_updates: int, images: list[list[str]] | None,
               master: tuple[str, int]) -> bool:
         """``images``: a vision-language model's, each data row's image references (a sample's ``image_row`` picks
@@ -117,7 +118,7 @@ class Learner(Rank):
 
     def _forward_logps(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        response_mask: torch.Tensor | None = None, with_entropy: bool = False, temperature: float | None = None,
-                       image_row: torch.Tensor | None = None):
+                       pixels: dict | None = None):
         """Token log-probs (and the entropy of the distribution each was drawn from) of the policy sampled
         from: logits divided by the rollout temperature (``temperature=1.0``: the raw model, as vLLM's prompt
         log-probs on the probe). [b, T] each, entry t about token t. With ``response_mask``, the logits are
@@ -132,7 +133,7 @@ class Learner(Rank):
         if response_mask is not None and bool(response_mask.any()):
             start = max(0, int(response_mask.to(torch.long).argmax(-1)[response_mask.any(-1)].min()) - 1)
         out = module(input_ids=ids, attention_mask=attention_mask.to(device()), use_cache=False,
-                     logits_to_keep=ids.shape[1] - start, **self.pixels(image_row))
+                     logits_to_keep=ids.shape[1] - start, **(pixels or {}))
         t = self.cfg.rollout.temperature if temperature is None else temperature
         logits = out.logits if t == 1.0 else out.logits / t  # positions start .. T-1
         if self.banned is not None and temperature is None:  # the sampling distribution: image tokens banned (as
@@ -163,10 +164,10 @@ class Learner(Rank):
                 w = used_width(attn)
                 ids, attn = batch["input_ids"][i : i + micro, :w], attn[:, :w]
                 resp = batch["response_mask"][i : i + micro, :w] if "response_mask" in batch else None
-                rows = batch["image_row"][i : i + micro] if "image_row" in batch else None
+                pixels = self.pixels(batch["image_row"][i : i + micro] if "image_row" in batch else None)
                 for key, module, wanted in (("logp", self.eng.engine, policy), ("ref_logp", self.ref, reference)):
                     if wanted and module is not None:
-                        lp = self._forward_logps(module, ids, attn, resp, temperature=temperature, image_row=rows).float().cpu()
+                        lp = self._forward_logps(module, ids, attn, resp, temperature=temperature, pixels=pixels).float().cpu()
                         out[key].append(pad(lp, (0, width - w)))
         self.eng.engine.train()
         return {k: torch.cat(v) for k, v in out.items() if v}
@@ -184,7 +185,7 @@ class Learner(Rank):
         mask = part.response_mask.float()
         keep = mask.bool()
         logp, entropy = self._forward_logps(module, part.input_ids, part.attention_mask, part.response_mask, with_entropy=True,
-                                            image_row=part.image_row)
+                                            pixels=self.pixels(part.image_row))
         # on-policy (one update per rollout): the behaviour policy is the current one
         old_logp = part.old_logp if plan.old_logp else logp.detach()
         loss_fn, corrected = POLICY_LOSSES[algo.policy_loss], algo.is_correction is not None

@@ -92,20 +92,22 @@ class Sampler:
         render = self.render
         episodes = agent is not None or cfg.rollout.tools is not None
         self.kind = Episodes(engines, self.render_text, cfg) if episodes else \
-            SingleTurn(engines, [render(self.pictured(r, i, cfg.data)) for i, r in enumerate(rows)], images)
+            SingleTurn(engines, [render(self.pictured(r, cfg.data, images[i] if images else [], f"row {i + 1}"))
+                                 for i, r in enumerate(rows)], images)
         self.engines = engines
         ro = cfg.rollout
         self.schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed)
         # dynamic filtering's extra prompts: a schedule of its own, so the main batches stay as without filtering
         self.extra_schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed + 7_919)
 
-    def pictured(self, row: dict, i: int, data):
-        """A row's prompt, with its images' parts when it has images (``data.image_key``)."""
-        if data.image_key is None:
+    @staticmethod
+    def pictured(row: dict, data, refs: list[str], where: str):
+        """A row's prompt, with the parts of its images ``refs`` (``data.image_key``) when it has any."""
+        if not refs:
             return row[data.prompt_key]
-        from datasets_prep.sft import prompt_images
+        from datasets_prep.images import with_images
 
-        return prompt_images(row, data, data.prompt_key, f"row {i + 1}")[0]
+        return with_images(row[data.prompt_key], len(refs), where)
 
     def render(self, prompt) -> list[int]:
         return self.tok(self.render_text(prompt), add_special_tokens=False)["input_ids"]
@@ -194,8 +196,8 @@ class Sampler:
                 from datasets_prep.sft import row_images
 
                 images = [row_images(r, data, f"eval row {i + 1}") for i, r in enumerate(rows)]
-            started.refs = self.engines.launch([self.render(self.pictured(r, i, data)) for i, r in enumerate(rows)], 1, 0.0,
-                                               self.cfg.seed, images=images)
+            prompts = [self.render(self.pictured(r, data, images[i] if images else [], f"eval row {i + 1}")) for i, r in enumerate(rows)]
+            started.refs = self.engines.launch(prompts, 1, 0.0, self.cfg.seed, images=images)
         groups = self.kind.finish(started, rows, data, 1, 0.0, False)
         samples = Samples.of(started.idx, groups, self.tok.pad_token_id, with_logp=False)
         if grader is not None:
