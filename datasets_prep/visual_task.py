@@ -19,6 +19,7 @@ pictures appear in no training file.
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 SPLITS = {"sft": 3000, "rl_prompts": 2000, "eval": 200}
@@ -48,13 +49,29 @@ def make_problem(rng: random.Random) -> tuple[str, str, list[tuple[int, str, str
     """(question, answer, scene), the answer drawn first."""
     quadrants = rng.sample(range(4), 4)
     if rng.random() < 0.5:
-        n = rng.randint(1, 4)
-        scene = [(q, rng.choice(SHAPES), rng.choice(list(COLOURS))) for q in quadrants[:n]]
-        return COUNT_QUESTION, str(n), scene
+        n = str(rng.randint(1, 4))
+        return COUNT_QUESTION, n, _scene(COUNT_QUESTION, n, quadrants, rng)
     shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+    question = f"What colour is the {shape}?"
+    return question, colour, _scene(question, colour, quadrants, rng)
+
+
+def _scene(question: str, answer: str, quadrants: list[int], rng: random.Random) -> list[tuple[int, str, str]]:
+    if question == COUNT_QUESTION:
+        return [(q, rng.choice(SHAPES), rng.choice(list(COLOURS))) for q in quadrants[: int(answer)]]
+    shape = question.removeprefix("What colour is the ").removesuffix("?")
     other = SHAPES[1 - SHAPES.index(shape)]
-    scene = [(quadrants[0], shape, colour)] + [(q, other, rng.choice(list(COLOURS))) for q in quadrants[1 : 1 + rng.randint(0, 2)]]
-    return f"What colour is the {shape}?", colour, scene
+    return [(quadrants[0], shape, answer)] + [(q, other, rng.choice(list(COLOURS))) for q in quadrants[1 : 1 + rng.randint(0, 2)]]
+
+
+QUESTION = re.compile(r"How many shapes\?|What colour is the (?:square|circle)\?")
+
+
+def scene_for(question: str, answer: str, rng: random.Random) -> list[tuple[int, str, str]]:
+    """Another scene whose answer to ``question`` (one of the task's, as :data:`QUESTION` matches) is ``answer``."""
+    if not QUESTION.fullmatch(question):
+        raise ValueError(f"{question!r} is not a question of the visual task")
+    return _scene(question, answer, rng.sample(range(4), 4), rng)
 
 
 def generate(seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, list[dict]]:

@@ -348,7 +348,7 @@ def _episodes_rank(config: EvalConfig, llm, tokenizer, rows: list[dict], grader)
 
     def run(n: int, temperature: float, logprobs: bool) -> list[list]:
         groups = episode_jobs(rows, list(range(len(rows))), data, n, config.seed,
-                              lambda p: render_prompt(tokenizer, p, data, tools=schemas))
+                              lambda p, _: render_prompt(tokenizer, p, data, tools=schemas))
         jobs = [j for g in groups for j in g]
         spec = Spec(config.agent, config.tools, config.tool_parser, config.max_tool_calls, config.max_turns,
                     config.max_new_tokens, config.max_model_len, temperature, logprobs, config.env_timeout_s, 256, data)

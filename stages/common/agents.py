@@ -99,7 +99,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         self.agent_instance_cls = agent_instance_cls
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None) -> dict:
-        return await run_episode(self.agent_instance_cls(), prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
+        return await run_episode(self.agent_instance_cls(), prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine,
+                                 images)
 
 
 class FunctionAgent(AgentInstanceBase):
@@ -132,7 +133,7 @@ class FunctionAgentExecutor(AgentExecutorBase):
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None) -> dict:
         instance = FunctionAgent(self.reset, self.step, getattr(llm_engine, "raw_prompt", prompt))
-        return await run_episode(instance, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)
+        return await run_episode(instance, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images)
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,8 @@ class EpisodeSettings:
     max_tool_calls: int = 0
     pool: Any = None  # a ThreadPoolExecutor for sync environment calls (None: asyncio's default)
     where: str = "rollout.agent"
+    vision: str | None = None  # a vision-language policy's folder (its processor expands the images)
+    max_images: int | None = None  # the most images an episode may hold (data.max_images_per_prompt)
 
 
 async def call(fn, *args, timeout_s: float | None = None, what: str = ""):
@@ -208,14 +211,16 @@ _CURRENT: contextvars.ContextVar[EpisodeSettings] = contextvars.ContextVar("epis
 
 
 async def run_episode(instance: AgentInstanceBase | None, prompt: str, label, sampling_params, max_length: int, tok,
-                      engine) -> dict:
+                      engine, images: list[str] | None = None) -> dict:
     """One episode (OpenRLHF's ``MultiTurnAgentExecutor.execute`` loop, with tools and this project's bounds):
     ``instance`` None runs a tools-only episode (it ends when the model answers without a call; the reward
-    function scores it). Returns OpenRLHF's episode dict (with ``finish_reason``; ``reward`` None without an agent)."""
+    function scores it). ``images``: a vision-language model's prompt images (references, one image token each in
+    ``prompt``); a step's ``environment_images`` join them. Returns OpenRLHF's episode dict (with ``finish_reason``
+    and ``images``, every image of the episode; ``reward`` None without an agent)."""
     s: EpisodeSettings = getattr(engine, "settings", None) or EpisodeSettings()
     token = _CURRENT.set(s)
     try:
-        return await _episode(instance, prompt, label, sampling_params, max_length, tok, engine, s)
+        return await _episode(instance, prompt, label, sampling_params, max_length, tok, engine, s, list(images or []))
     finally:
         _CURRENT.reset(token)
 
@@ -225,6 +230,7 @@ class _Trajectory:
     """An episode's tokens so far: the actions' spans, the engine's log-probs (0.0 off the actions), the rewards."""
 
     ids: list[int]
+    images: list[str] = field(default_factory=list)  # one image token each in ids, in order
     ranges: list[tuple[int, int]] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     finish: str | None = None
@@ -240,6 +246,19 @@ class _Trajectory:
         if logprobs and out.logprobs is not None:
             self.logps += [0.0] * (start - len(self.logps)) + [d[t].logprob for t, d in zip(out.token_ids, out.logprobs, strict=True)]
         self.finish = out.finish_reason
+
+    def length(self, s: EpisodeSettings) -> int:
+        """The context's length as the model sees it (a vision-language model's images expanded)."""
+        if not self.images:
+            return len(self.ids)
+        from stages.common.vision import expanded_length
+
+        return expanded_length(self.ids, self.images, s.vision)
+
+    def multi_modal_data(self) -> dict | None:
+        from datasets_prep.images import open_image
+
+        return {"image": [open_image(r) for r in self.images]} if self.images else None
 
     def scored(self, result: dict) -> None:
         """A step's answer: its rewards summed, its scores (default the sum) and extra_logs the last ones."""
@@ -259,52 +278,94 @@ async def _first_observation(instance, prompt: str, label, engine, s: EpisodeSet
 
 
 async def _answer(instance, tools, t: _Trajectory, states: dict, s: EpisodeSettings, turn: int):
-    """What answers an action: ``(feedback, the next action's sampling params)``, feedback None when the episode
-    ends. Tool calls are answered by the tools (beyond ``max_tool_calls``: the end); an action without calls by the
-    agent's step (its reward counted in ``t``), or, without an agent, it ends the episode."""
+    """What answers an action: ``(feedback, its images, the next action's sampling params)``, feedback None when the
+    episode ends. Tool calls are answered by the tools (beyond ``max_tool_calls``: the end); an action without calls
+    by the agent's step (its reward counted in ``t``), or, without an agent, it ends the episode."""
     calls = tools.parse(states["action_text"]) if tools is not None else []
     params = states["sampling_params"]
     if calls:
-        return (await tools.answer(calls, s, f"{s.where}: turn {turn}") if tools.allowed(calls) else None), params
+        return (await tools.answer(calls, s, f"{s.where}: turn {turn}") if tools.allowed(calls) else None), None, params
     if instance is None:
-        return None, params
+        return None, None, params
     result = check_step_result(await _env(instance.step, states, s, f"{s.where}: step {turn}"), f"{s.where}: step {turn}")
     t.scored(result)
     if result.get("sampling_params") is not None:
         params = result["sampling_params"]
-    return (None if result["done"] else result.get("environment_feedback") or ""), params
+    if result["done"]:
+        return None, None, params
+    return result.get("environment_feedback") or "", result.get("environment_images"), params
 
 
-async def _episode(instance, prompt, label, sampling_params, max_length, tok, engine, s: EpisodeSettings) -> dict:
+def check_images(ids: list[int], images: list[str], tok, s: EpisodeSettings, where: str) -> None:
+    """A vision-language model's context: one image token per image; no images for a text model; at most
+    ``data.max_images_per_prompt`` of them."""
+    if s.vision is None:
+        if images:
+            raise AgentError(f"{where}: {len(images)} images for a policy that is not a vision-language model")
+        return
+    from stages.common.vision import load_processor
+
+    token = load_processor(s.vision).image_token
+    count = ids.count(tok.convert_tokens_to_ids(token))
+    if count != len(images):
+        raise AgentError(f"{where}: {count} image tokens ({token}) for {len(images)} images; put one {token} (or a "
+                         "{'type': 'image'} part of a message) where each image goes")
+    if s.max_images is not None and len(images) > s.max_images:
+        raise AgentError(f"{where}: the episode now holds {len(images)} images, more than data.max_images_per_prompt="
+                         f"{s.max_images}")
+
+
+async def _episode(instance, prompt, label, sampling_params, max_length, tok, engine, s: EpisodeSettings, images: list[str]) -> dict:
     from stages.common.tools import ToolCalls
 
     max_new = s.max_new_tokens or sampling_params.max_tokens
     observation_text = await _first_observation(instance, prompt, label, engine, s)
-    t = _Trajectory(tok(observation_text, add_special_tokens=False)["input_ids"])
-    if len(t.ids) + max_new > max_length:
-        raise AgentError(f"{s.where}: the prompt has {len(t.ids)} tokens; with max_new_tokens={max_new} that is more than "
+    t = _Trajectory(tok(observation_text, add_special_tokens=False)["input_ids"], images)
+    check_images(t.ids, t.images, tok, s, f"{s.where}: the prompt")
+    if t.length(s) + max_new > max_length:
+        raise AgentError(f"{s.where}: the prompt has {t.length(s)} tokens; with max_new_tokens={max_new} that is more than "
                          f"max_model_len={max_length}")
     params = sampling_params
     tools = ToolCalls(s.tools, s.parser, s.max_tool_calls) if s.tools is not None else None
     for turn in range(1, s.max_turns + 1):
         p = copy(params)
-        p.max_tokens = min(max_new, max_length - len(t.ids))
-        out = (await engine.generate(list(t.ids), p)).outputs[0]
+        p.max_tokens = min(max_new, max_length - t.length(s))
+        out = (await engine.generate(list(t.ids), p, t.multi_modal_data())).outputs[0]
         t.act(out, p.logprobs is not None)
         states = {"observation_text": observation_text, "action_text": out.text, "label": label, "sampling_params": params}
-        feedback, params = await _answer(instance, tools, t, states, s, turn)
+        feedback, shown, params = await _answer(instance, tools, t, states, s, turn)
         if feedback is None:
             break
-        fb = feedback_ids(tok, feedback, f"{s.where}: turn {turn}")
-        if turn == s.max_turns or len(t.ids) + len(fb) + max_new > max_length:  # no room for another whole action
+        where = f"{s.where}: turn {turn}"
+        fb, shown = feedback_ids(tok, feedback, where), feedback_images(feedback, shown, where)
+        check_images(t.ids + fb, t.images + shown, tok, s, where)
+        grown = _Trajectory(t.ids + fb, t.images + shown)
+        if turn == s.max_turns or grown.length(s) + max_new > max_length:  # no room for another whole action
             break
         observation_text += out.text + (feedback if isinstance(feedback, str) else tok.decode(fb))
-        t.ids += fb
+        t.ids, t.images = grown.ids, grown.images
     agent = instance is not None
-    return {"prompt": prompt, "label": label, "observation_tokens": t.ids, "action_ranges": t.ranges,
+    return {"prompt": prompt, "label": label, "observation_tokens": t.ids, "action_ranges": t.ranges, "images": t.images,
             "rollout_log_probs": t.logps + [0.0] * (len(t.ids) - len(t.logps)) if t.logps else None,
             "reward": t.total if agent else None, "scores": (t.total if t.score is None else t.score) if agent else None,
             "extra_logs": {**t.extra, **tools.logs()} if tools is not None else t.extra, "finish_reason": t.finish}
+
+
+def feedback_images(feedback: Any, environment_images: Any, where: str) -> list[str]:
+    """An observation's images as references: a step's ``environment_images`` (OpenRLHF's: PIL images, paths,
+    bytes, base64 or data: URIs), else the ``"image"`` values of a chat message's ``{"type": "image"}`` parts."""
+    from datasets_prep.images import image_refs
+    from datasets_prep.loading import DataError
+
+    values = environment_images
+    if values is None:
+        messages = feedback if isinstance(feedback, list) else [feedback] if isinstance(feedback, dict) else []
+        values = [p["image"] for m in messages if isinstance(m.get("content"), list)
+                  for p in m["content"] if isinstance(p, dict) and p.get("type") == "image" and p.get("image") is not None]
+    try:
+        return image_refs({"environment_images": values}, "environment_images", where)
+    except DataError as e:
+        raise AgentError(str(e)) from None
 
 
 async def _env(method, states: dict, s: EpisodeSettings, what: str):
@@ -324,13 +385,21 @@ def feedback_ids(tok, feedback: Any, where: str) -> list[int]:
     if isinstance(feedback, str):
         text = feedback
     elif isinstance(feedback, dict | list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                    and isinstance(m.get("content"), str)
+                                                    and isinstance(m.get("content"), str | list)
                                                     for m in (feedback if isinstance(feedback, list) else [feedback])):
-        text = continuation(tok, feedback if isinstance(feedback, list) else [feedback])
+        text = continuation(tok, [_templated(m) for m in (feedback if isinstance(feedback, list) else [feedback])])
     else:
         raise AgentError(f"{where}: the observation is {feedback!r:.80}; expected a str, a chat message "
-                         "{'role': ..., 'content': str} or None")
+                         "{'role': ..., 'content': str or a list of parts} or None")
     return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _templated(message: dict) -> dict:
+    """A message as the chat template takes it: its image parts without their images (those travel apart)."""
+    content = message["content"]
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image" else p for p in content]}
 
 
 def continuation(tok, messages: list[dict]) -> str:
@@ -410,6 +479,7 @@ class Episode(Completion):
     score: float = 0.0
     turns: int = 0
     info: dict[str, float] = field(default_factory=dict)
+    images: list[str] | None = None  # a vision-language model's: every image the episode held, in order
 
 
 def last_answer(tokenizer, episode: Episode) -> str:
@@ -435,24 +505,46 @@ def action_mask(ranges: list[tuple], n: int, where: str) -> list[int]:
     return mask
 
 
-def episode_of(result: Any, tok, with_logprobs: bool, where: str) -> Episode:
-    """An executor's episode dict (OpenRLHF's keys) as an :class:`Episode`, checked."""
+def episode_of(result: Any, tok, with_logprobs: bool, where: str, vision: str | None = None,
+               seen: list[int] | None = None) -> Episode:
+    """An executor's episode dict (OpenRLHF's keys) as an :class:`Episode`, checked. ``vision``: a vision-language
+    policy's folder: the trajectory's image tokens (one per image of ``result["images"]``) are expanded into their
+    blocks, which must agree with ``seen`` (the last action's prompt as vLLM expanded it)."""
     if not isinstance(result, dict) or not {"observation_tokens", "action_ranges"} <= set(result):
         raise AgentError(f"{where}: execute returned {result!r:.80}; expected OpenRLHF's episode dict "
                          "(observation_tokens, action_ranges, rollout_log_probs, reward, scores, extra_logs)")
     ids, ranges = [int(t) for t in result["observation_tokens"]], [tuple(r) for r in result["action_ranges"]]
+    action_mask(ranges, len(ids), where)
+    lp = result.get("rollout_log_probs")
+    if with_logprobs and (lp is None or len(lp) != len(ids)):
+        raise AgentError(f"{where}: rollout_log_probs must give one number per observation token (the run keeps the "
+                         "engine's log-probs: async or algo.is_correction); set sampling_params.logprobs")
+    images = None
+    if vision is not None:
+        ids, ranges, lp, images = _expanded(ids, ranges, lp if with_logprobs else None, result.get("images"), vision, seen, where)
     start, mask = ranges[0][0] if ranges else 0, action_mask(ranges, len(ids), where)
-    logps = None
-    if with_logprobs:
-        lp = result.get("rollout_log_probs")
-        if lp is None or len(lp) != len(ids):
-            raise AgentError(f"{where}: rollout_log_probs must give one number per observation token (the run keeps the "
-                             "engine's log-probs: async or algo.is_correction); set sampling_params.logprobs")
-        logps = [float(x) for x in lp[start:]]
+    logps = [float(x) for x in lp[start:]] if with_logprobs else None
     reward = result.get("reward")
     reward = None if reward is None else number(reward, "reward", where)
     scores = result.get("scores")
     score = reward if scores is None else number(scores, "scores", where)
     logs = {str(k): number(v, f"extra_logs[{k!r}]", where, nan_ok=True) for k, v in (result.get("extra_logs") or {}).items()}
     return Episode(ids[:start], ids[start:], tok.decode(ids[start:]), logps, result.get("finish_reason"), mask,
-                   reward=reward, score=0.0 if score is None else score, turns=len(ranges), info=logs)
+                   reward=reward, score=0.0 if score is None else score, turns=len(ranges), info=logs, images=images)
+
+
+def _expanded(ids, ranges, logps, images, vision: str, seen: list[int] | None, where: str):
+    """A vision-language episode's trajectory as the learners see it (:func:`stages.common.vision.expand_episode`)."""
+    from datasets_prep.images import image_refs
+    from datasets_prep.loading import DataError
+    from stages.common.vision import expand_episode
+
+    try:
+        refs = image_refs({"images": images}, "images", where)
+        ids, ranges, logps = expand_episode(ids, ranges, logps, refs, vision)
+    except (DataError, ValueError) as e:
+        raise AgentError(f"{where}: the episode's images: {e}") from None
+    if seen is not None and ids[: len(seen)] != list(seen):
+        raise AgentError(f"{where}: the trajectory with its images expanded differs from the prompt vLLM saw for the last "
+                         "action; an executor must give vLLM one image token per image with multi_modal_data")
+    return ids, ranges, logps, refs

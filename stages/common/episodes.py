@@ -34,16 +34,20 @@ class Job:
     raw_prompt: Any
     label: Any
     seed: int
+    images: list[str] | None = None  # a vision-language model's prompt images (one image token each in prompt)
 
 
-def episode_jobs(rows: list[dict], numbers: list[int], data, n: int, seed: int, render) -> list[list[Job]]:
+def episode_jobs(rows: list[dict], numbers: list[int], data, n: int, seed: int, render,
+                 images: list[list[str]] | None = None) -> list[list[Job]]:
     """``n`` jobs per row (a group), each episode with its own seed hashed from ``seed`` and its place in the batch;
-    ``numbers``: the rows' 0-based places in their data (for messages); ``render``: a prompt as the model sees it."""
+    ``numbers``: the rows' 0-based places in their data (for messages); ``render(row's prompt, its images)``: the
+    prompt as the model sees it; ``images``: a vision-language model's, each row's image references."""
     from stages.common.generation import request_seed
 
-    return [[Job(i + 1, render(row[data.prompt_key]), row[data.prompt_key], row.get(data.label_key),
-                 request_seed(seed, g * n + j)) for j in range(n)]
-            for g, (i, row) in enumerate(zip(numbers, rows, strict=True))]
+    pics = images if images is not None else [None] * len(rows)
+    return [[Job(i + 1, render(row[data.prompt_key], refs), row[data.prompt_key], row.get(data.label_key),
+                 request_seed(seed, g * n + j), refs) for j in range(n)]
+            for g, (i, row, refs) in enumerate(zip(numbers, rows, pics, strict=True))]
 
 
 @dataclass
@@ -71,14 +75,15 @@ class RequestQueue:
 
     def __init__(self, llm):
         self.core = llm.llm_engine
-        self.queued: list[tuple[str, list[int], Any, asyncio.Future]] = []
+        self.queued: list[tuple[str, Any, Any, asyncio.Future]] = []
         self.open: dict[str, asyncio.Future] = {}
         self.ids = itertools.count()
         self.wake = asyncio.Event()
         self.stepper = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self.steps = 0
 
-    async def generate(self, prompt_token_ids: list[int], params) -> Any:
+    async def generate(self, prompt_token_ids: list[int], params, multi_modal_data: dict | None = None) -> Any:
+        from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         if getattr(params, "n", 1) != 1:
@@ -86,21 +91,22 @@ class RequestQueue:
         params = copy(params)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         fut = asyncio.get_running_loop().create_future()
-        self.queued.append((f"episode-{next(self.ids)}", list(prompt_token_ids), params, fut))
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        if multi_modal_data:
+            prompt["multi_modal_data"] = multi_modal_data
+        self.queued.append((f"episode-{next(self.ids)}", prompt, params, fut))
         self.wake.set()
         return await fut
 
     async def drive(self) -> None:
-        from vllm import TokensPrompt
-
         loop = asyncio.get_running_loop()
         try:
             while True:
                 if not self.queued and not self.open:
                     self.wake.clear()
                     await self.wake.wait()
-                for rid, ids, params, fut in self.queued:
-                    self.core.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+                for rid, prompt, params, fut in self.queued:
+                    self.core.add_request(rid, prompt, params)
                     self.open[rid] = fut
                 self.queued.clear()
                 outs = await loop.run_in_executor(self.stepper, self.core.step)
@@ -124,28 +130,38 @@ class EpisodeEngine:
     """The ``llm_engine`` an executor gets for one episode: ``generate(token_ids, sampling_params)`` returns a vLLM
     ``RequestOutput``; each call samples with its own seed (the episode's seed, hashed with the call's number)."""
 
-    def __init__(self, queue: RequestQueue, job: Job, settings: EpisodeSettings, render, logprobs: bool = False):
+    def __init__(self, queue: RequestQueue, job: Job, settings: EpisodeSettings, render, logprobs: bool = False,
+                 allowed: list[int] | None = None):
         """``logprobs``: the run keeps the engine's log-probs, so every action asks for them (whatever sampling
-        params an agent's step hands back)."""
+        params an agent's step hands back); ``allowed``: the tokens every action samples from (a vision-language
+        model's: all but its image tokens)."""
         self.queue, self.job, self.settings, self.render, self.logprobs = queue, job, settings, render, logprobs
-        self.raw_prompt, self.calls = job.raw_prompt, 0
+        self.raw_prompt, self.calls, self.allowed = job.raw_prompt, 0, allowed
+        self.seen: list[int] | None = None  # the last action's prompt as vLLM saw it (images expanded)
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
-        if multi_modal_data:
-            raise AgentError(f"{self.settings.where}: images in an episode are not supported yet")
+        """An action: vLLM's ``RequestOutput`` for ``prompt_token_ids`` (with a vision-language model's images as
+        ``multi_modal_data={"image": [...]}``, one image token each in the ids)."""
         params = copy(sampling_params)
         params.seed = request_seed(self.job.seed, self.calls)
         if self.logprobs and params.logprobs is None:
             params.logprobs = 0
+        if self.allowed is not None:
+            params.allowed_token_ids = self.allowed
         self.calls += 1
-        return await self.queue.generate(list(prompt_token_ids), params)
+        out = await self.queue.generate(list(prompt_token_ids), params, multi_modal_data)
+        self.seen = list(out.prompt_token_ids)
+        return out
 
 
 class EpisodeRunner:
     """Runs a call's episodes in one engine's process (:meth:`run`); the agent and tools are loaded once."""
 
-    def __init__(self, llm, tokenizer):
-        self.llm, self.tok = llm, tokenizer
+    def __init__(self, llm, tokenizer, vision: str | None = None, banned: list[int] | None = None):
+        """``vision``: a vision-language policy's folder (its processor); ``banned``: the tokens never sampled."""
+        from stages.common.generation import allowed_tokens
+
+        self.llm, self.tok, self.vision, self.allowed = llm, tokenizer, vision, allowed_tokens(llm, banned)
         self._loaded: dict[tuple, Any] = {}
         self.last_steps = 0  # the engine steps the last call took
 
@@ -178,25 +194,31 @@ class EpisodeRunner:
         params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_new_tokens,
                                 logprobs=0 if spec.logprobs else None)
         render = lambda p: render_prompt(self.tok, p, spec.data)  # noqa: E731
+        max_images = spec.data.max_images_per_prompt
         name = f"rollout.agent {spec.agent}" if spec.agent else f"rollout.tools {spec.tools}"
 
         async def one(job: Job):
             async with gate:
                 where = f"{name}: row {job.row}"
                 settings = EpisodeSettings(spec.max_turns, spec.max_new_tokens, spec.env_timeout_s, tools, parser,
-                                           spec.max_tool_calls, pool, where)
-                engine = EpisodeEngine(queue, job, settings, render, spec.logprobs)
+                                           spec.max_tool_calls, pool, where, self.vision, max_images)
+                engine = EpisodeEngine(queue, job, settings, render, spec.logprobs, self.allowed)
+                pictures = {"images": job.images} if job.images else {}  # OpenRLHF's execute(..., images=)
                 if agent is None:
-                    result = await run_episode(None, job.prompt, job.label, params, spec.max_model_len, self.tok, engine)
+                    result = await run_episode(None, job.prompt, job.label, params, spec.max_model_len, self.tok, engine,
+                                               job.images)
                 else:
                     executor = agent.executor()
                     try:
-                        result = await executor.execute(job.prompt, job.label, copy(params), spec.max_model_len, self.tok, engine)
+                        result = await executor.execute(job.prompt, job.label, copy(params), spec.max_model_len, self.tok,
+                                                        engine, **pictures)
                     except AgentError:
                         raise
                     except Exception as e:
                         raise AgentError(f"{where}: the agent raised {type(e).__name__}: {e}") from e
-                return episode_of(result, self.tok, spec.logprobs, where)
+                if self.vision is not None and isinstance(result, dict) and "images" not in result:
+                    result = {**result, "images": job.images}
+                return episode_of(result, self.tok, spec.logprobs, where, self.vision, engine.seen)
 
         driver = asyncio.create_task(queue.drive())
         try:
@@ -238,7 +260,8 @@ def episodes_rank(job: dict, rank: int, world_size: int) -> dict:
 
     engine = RolloutEngine(job["model"], seed=job.get("seed", 0),
                            settings=engine_settings_of(job.get("dtype", "float32"), job.get("max_model_len", 512)))
-    runner = EpisodeRunner(engine.llm, AutoTokenizer.from_pretrained(job["model"]))
+    runner = EpisodeRunner(engine.llm, AutoTokenizer.from_pretrained(job["model"]),
+                           job["model"] if engine.banned is not None else None, engine.banned)
     out = []
     for run in job["runs"]:
         spec = Spec(**{**run["spec"], "data": DataConfig.model_validate(run["spec"]["data"])})

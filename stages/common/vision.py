@@ -88,24 +88,58 @@ def image_block(processor_path: str, ref: str) -> list[int]:
     return list(_block(processor_path, ref))
 
 
-def expand_images(ids: list[int], mask: list[int], refs: list[str], processor_path: str) -> tuple[list[int], list[int]]:
-    """``ids`` with each image token (one per image, in order) replaced by its image's block, out of the loss."""
+def _expand(ids: list[int], refs: list[str], processor_path: str) -> tuple[list[int], list[int]]:
+    """``ids`` with each image token (one per image, in order) replaced by its image's block, and where each of
+    ``ids`` (and the end) starts in the result."""
     image_id = _image_id(processor_path)
-    out_ids, out_mask, it = [], [], iter(refs)
-    for t, m in zip(ids, mask, strict=True):
+    out, starts, it = [], [], iter(refs)
+    for t in ids:
+        starts.append(len(out))
         if t != image_id:
-            out_ids.append(t)
-            out_mask.append(m)
+            out.append(t)
             continue
         ref = next(it, None)
         if ref is None:
             raise ValueError(f"more image tokens than the {len(refs)} images given")
-        block = image_block(processor_path, ref)
-        out_ids += block
-        out_mask += [0] * len(block)
+        out += image_block(processor_path, ref)
     if next(it, None) is not None:
         raise ValueError(f"{len(refs)} images for {ids.count(image_id)} image tokens")
-    return out_ids, out_mask
+    return out, [*starts, len(out)]
+
+
+def expand_images(ids: list[int], mask: list[int], refs: list[str], processor_path: str) -> tuple[list[int], list[int]]:
+    """``ids`` with each image token (one per image, in order) replaced by its image's block, out of the loss."""
+    out, starts = _expand(ids, refs, processor_path)
+    image_id, out_mask = _image_id(processor_path), [0] * len(out)
+    for i, (t, m) in enumerate(zip(ids, mask, strict=True)):
+        if t != image_id:
+            out_mask[starts[i]] = m
+    return out, out_mask
+
+
+def expand_episode(ids: list[int], ranges: list[tuple[int, int]], logps: list[float] | None, refs: list[str],
+                   processor_path: str) -> tuple[list[int], list[tuple[int, int]], list[float] | None]:
+    """A multi-turn trajectory with one image token per image (the prompt's and the environment's, in order) as the
+    model sees it: every image token replaced by its block, the actions' spans moved with them, the log-probs 0.0 on
+    the blocks. An action holding an image token is refused (sampling bans them)."""
+    out, starts = _expand(ids, refs, processor_path)
+    image_id, moved = _image_id(processor_path), []
+    for a, b in ranges:
+        if image_id in ids[a:b]:
+            raise ValueError(f"the action at tokens {a}..{b} holds an image token")
+        moved.append((starts[a], starts[b]))
+    if logps is None:
+        return out, moved, None
+    lp = [0.0] * len(out)
+    for i, (t, x) in enumerate(zip(ids, logps, strict=True)):
+        if t != image_id:
+            lp[starts[i]] = x
+    return out, moved, lp
+
+
+def expanded_length(ids: list[int], refs: list[str], processor_path: str) -> int:
+    """How many tokens ``ids`` (one image token per image of ``refs``) take once the images are expanded."""
+    return len(ids) + sum(len(image_block(processor_path, r)) - 1 for r in refs)
 
 
 def collapse_images(ids: list[int], refs: list[str], processor_path: str) -> list[int]:

@@ -130,9 +130,8 @@ def _sum_dicts(dicts) -> dict[str, float]:
 
 
 def start_actors(cfg: RLConfig, plan: StepPlan, policy_path: str, critic_path: str | None, reward_model_path: str | None,
-                 deadlines: Deadlines, run_dir: Path, images: list[list[str]] | None = None) -> tuple[Trainers, EnginePool, object | None]:
-    """Every actor of the run, started and set up: the trainer groups, the engines, the reward model's scorer
-    (``images``: a vision-language model's, each data row's image references, for the learners). On a
+                 deadlines: Deadlines, run_dir: Path) -> tuple[Trainers, EnginePool, object | None]:
+    """Every actor of the run, started and set up: the trainer groups, the engines, the reward model's scorer. On a
     user's cluster (``cluster.address``) every node placed is first checked to see ``run_dir`` and the inputs;
     ``run_dir/placement.json`` says where each learner, critic rank and engine runs."""
     import ray
@@ -166,7 +165,7 @@ def start_actors(cfg: RLConfig, plan: StepPlan, policy_path: str, critic_path: s
     engines_wait = gpu and cfg.ray.colocate_all
     engines = [] if engines_wait else start_engines()
     learners, setups, learner_nodes = start_group(Learner, n, place.rank, learner_env, deadlines, config, policy_path,
-                                   (cfg.max_steps - frozen) * updates, images)
+                                   (cfg.max_steps - frozen) * updates)
     critics, critic_setups, critic_nodes = start_group(Critic, n, place.critic, learner_env, deadlines, config, critic_path,
                                                        cfg.max_steps * updates) if plan.values else ([], [], [])
     deadlines.startup(setups, "learner.setup")

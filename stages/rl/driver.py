@@ -82,13 +82,13 @@ def run_rl(config: RLConfig, policy: CheckpointRef, reward_model: CheckpointRef 
             config.cluster.address, cpus, config.cluster.ship_code, config.cluster.connect_timeout_s):
         deadlines = Deadlines(config.ray.call_timeout_s, config.ray.startup_timeout_s)
         trainers, engines, scorer = start_actors(config, plan, policy.path, critic_init.path if critic_init else None,
-                                                 reward_model.path if reward_model else None, deadlines, run_dir, images)
+                                                 reward_model.path if reward_model else None, deadlines, run_dir)
         rewards = EpisodeReward() if agent else ModelReward(scorer, deadlines.call) if scorer else \
             TextReward(text, tokenizer, config.data.label_key, keep_special=tools is not None)
         if tools is not None and not agent:  # tools-only episodes: scored by the reward source, their counts logged
             rewards = WithEpisodeLogs(rewards)
         sampler = Sampler(config, tokenizer, engines, rows, rewards, plan.rollout_logp, agent, tools, images)
-        sync = WeightSync(config, trainers.learners, engines, deadlines, trainers.gpu, images, policy.path)
+        sync = WeightSync(config, trainers.learners, engines, deadlines, trainers.gpu, policy.path if images is not None else None)
         sync.connect()
         trainers.offload()  # train.enable_sleep: the engines generate first
         export = functools.partial(trainers.export, tokenizer_path=policy.path)  # with LoRA: the adapter, on its policy
@@ -117,9 +117,6 @@ def check_images(config: RLConfig, policy: CheckpointRef, rows: list[dict], eval
     if estimator.needs_critic:
         raise ValueError(f"algo.advantage_estimator={config.algo.advantage_estimator!r} needs a critic, which a vision-language "
                          "policy does not get (as OpenRLHF); use a critic-free estimator (group_norm, reinforce_baseline, rloo, ...)")
-    if config.rollout.agent or config.rollout.tools:
-        raise ValueError("rollout.agent / rollout.tools with a vision-language policy: multi-turn episodes with images are "
-                         "not supported yet (single-turn image prompts are)")
     for i, r in enumerate(eval_rows):  # their images open, and messages' image parts match them
         prompt_images(r, config.eval_data, config.eval_data.prompt_key, f"{config.eval_data.paths[0]} row {i + 1}")
     return [prompt_images(r, config.data, config.data.prompt_key, f"{config.data.paths[0]} row {i + 1}")[1]

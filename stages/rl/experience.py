@@ -75,10 +75,13 @@ class Samples:
     rollout_logp: torch.Tensor | None  # [B, T] vLLM's sampling log-probs at response positions (plan.rollout_logp)
     truncated: torch.Tensor  # [B] bool: the response hit max_new_tokens without a stop token (finish_reason "length")
     completions: list[Any] = field(default_factory=list)  # [B] what the engines (or an agent's episodes) returned
-    image_row: torch.Tensor | None = None  # [B] a vision-language model's: the data row whose images the sample saw
+    images: list[list[str]] | None = None  # [B] a vision-language model's: each sample's image references, in order
 
     @classmethod
-    def of(cls, prompt_index: list[int], groups: list[list[Any]], pad_id: int, with_logp: bool, images: bool = False) -> Samples:
+    def of(cls, prompt_index: list[int], groups: list[list[Any]], pad_id: int, with_logp: bool,
+           images: list[list[str]] | None = None) -> Samples:
+        """``images``: a vision-language model's, each data row's image references (an episode's completion carries
+        its own: the prompt's and its environment's)."""
         flat = [c for group in groups for c in group]
         width = max(len(c.prompt_ids) + len(c.token_ids) for c in flat)
         b = len(flat)
@@ -94,14 +97,18 @@ class Samples:
             if logp is not None:
                 logp[i, p : p + r] = torch.tensor(c.logprobs)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
-        rows = torch.tensor([i for i, g in zip(prompt_index, groups, strict=True) for _ in g], dtype=torch.long) if images else None
+        seen = None
+        if images is not None:
+            seen = [list(c.images) if getattr(c, "images", None) is not None else list(images[i])
+                    for i, g in zip(prompt_index, groups, strict=True) for c in g]
         return cls(prompt_index, [list(c.prompt_ids) for c in flat], [list(c.token_ids) for c in flat],
-                   [c.text for c in flat], ids, attn, resp, logp, truncated, flat, rows)
+                   [c.text for c in flat], ids, attn, resp, logp, truncated, flat, seen)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """What a forward pass needs (a vision-language model's samples: their image rows too)."""
+    def tensors(self) -> dict[str, Any]:
+        """What a forward pass needs (a vision-language model's samples: each one's image references too, a list
+        sliced with the rows)."""
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "response_mask": self.response_mask}
-        return out if self.image_row is None else {**out, "image_row": self.image_row}
+        return out if self.images is None else {**out, "images": self.images}
 
 
 @dataclass
@@ -197,21 +204,25 @@ class TrainBatch:
     rollout_logp: torch.Tensor | None  # plan.rollout_logp: vLLM's sampling log-probs (IS correction)
     normaliser: float  # the loss aggregation's divisor over the whole optimizer step (all ranks)
     micro: tuple[tuple[int, int], ...] = ()  # the micro-batches' row ranges, in order (see micro_batches)
-    image_row: torch.Tensor | None = None  # [b] a vision-language model's: each row's data row (its images)
+    images: list[list[str]] | None = None  # [b] a vision-language model's: each row's image references
 
-    def _map(self, fn) -> TrainBatch:
-        """The same batch with ``fn`` applied to every tensor field (the None ones stay None)."""
-        return replace(self, **{f.name: fn(v) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)})
+    def _map(self, fn, rows=None) -> TrainBatch:
+        """The same batch with ``fn`` applied to every tensor field (the None ones stay None); ``rows``: the
+        rows kept, in order, of the per-row list ``images`` (unset: it stays as it is)."""
+        out = replace(self, **{f.name: fn(v) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)})
+        if rows is not None and self.images is not None:
+            out.images = [self.images[i] for i in rows]
+        return out
 
     def rows(self, start: int, stop: int) -> TrainBatch:
-        return self._map(lambda t: t[start:stop])
+        return self._map(lambda t: t[start:stop], range(self.size)[start:stop])
 
     def to(self, device: torch.device) -> TrainBatch:
         return self._map(lambda t: t.to(device))
 
     def sorted_by_length(self) -> TrainBatch:
         order = torch.argsort(self.attention_mask.sum(-1), descending=True, stable=True)
-        return self._map(lambda t: t[order])
+        return self._map(lambda t: t[order], order.tolist())
 
     def trimmed(self) -> TrainBatch:
         """The batch without the padding columns every row shares (rows are right-padded)."""
@@ -257,7 +268,7 @@ def updates_of(exp: Experience, cfg: RLConfig, n_ranks: int) -> list[list[TrainB
     into as many micro-batches as the rank that needs most (its forwards are collective under ZeRO-3)."""
     s, f = exp.samples, exp.forward
     whole = TrainBatch(s.input_ids, s.attention_mask, s.response_mask, exp.advantages, exp.returns,
-                       f.old_logp, f.ref_logp, f.values, s.rollout_logp, 0.0, image_row=s.image_row)
+                       f.old_logp, f.ref_logp, f.values, s.rollout_logp, 0.0, images=s.images)
     tb = cfg.train.train_batch_size
     per_rank: list[list[TrainBatch]] = [[] for _ in range(n_ranks)]
     for start in range(0, whole.size, tb):

@@ -85,19 +85,15 @@ class Rank(GroupRank):
 
 class Learner(Rank):
     policy_path: str | None = None
-    images: list[list[str]] | None = None  # a vision-language model's: each data row's image references
     banned: torch.Tensor | None = None  # a vision-language model's image tokens
 
-    def setup(self, config: dict, policy_path: str, total_updates: int, images: list[list[str]] | None,
-              master: tuple[str, int]) -> bool:
-        """``images``: a vision-language model's, each data row's image references (a sample's ``image_row`` picks
-        its row's)."""
+    def setup(self, config: dict, policy_path: str, total_updates: int, master: tuple[str, int]) -> bool:
         from stages.common import trainer
         from stages.common.vision import is_vision, load_policy, vision_token_ids
 
         self._join(config, master)
         self.eng = trainer.build_engine(policy_path, self.cfg.train, self.cfg.lora, total_updates, load_policy)
-        self.policy_path, self.images, self.banned = policy_path, images, None
+        self.policy_path, self.banned = policy_path, None
         if is_vision(policy_path):  # what the engines never sample, out of the learners' distribution too
             from transformers import AutoTokenizer
 
@@ -107,14 +103,14 @@ class Learner(Rank):
             self.ref, self._ref_keep = trainer.build_reference_engine(policy_path, self.cfg.train)
         return True
 
-    def pixels(self, image_row: torch.Tensor | None) -> dict:
-        """The pixel tensors of a batch's rows (a vision-language model's), on the device."""
-        if image_row is None or self.images is None:
+    def pixels(self, images: list[list[str]] | None) -> dict:
+        """The pixel tensors of a batch's rows (a vision-language model's: each row's image references), on the device."""
+        if images is None:
             return {}
         from stages.common.trainer import device
         from stages.common.vision import pixel_inputs
 
-        return {k: v.to(device()) for k, v in pixel_inputs(self.policy_path, [self.images[i] for i in image_row.tolist()]).items()}
+        return {k: v.to(device()) for k, v in pixel_inputs(self.policy_path, images).items()}
 
     def _forward_logps(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        response_mask: torch.Tensor | None = None, with_entropy: bool = False, temperature: float | None = None,
@@ -164,7 +160,7 @@ class Learner(Rank):
                 w = used_width(attn)
                 ids, attn = batch["input_ids"][i : i + micro, :w], attn[:, :w]
                 resp = batch["response_mask"][i : i + micro, :w] if "response_mask" in batch else None
-                pixels = self.pixels(batch["image_row"][i : i + micro] if "image_row" in batch else None)
+                pixels = self.pixels(batch["images"][i : i + micro] if "images" in batch else None)
                 for key, module, wanted in (("logp", self.eng.engine, policy), ("ref_logp", self.ref, reference)):
                     if wanted and module is not None:
                         lp = self._forward_logps(module, ids, attn, resp, temperature=temperature, pixels=pixels).float().cpu()
@@ -185,7 +181,7 @@ class Learner(Rank):
         mask = part.response_mask.float()
         keep = mask.bool()
         logp, entropy = self._forward_logps(module, part.input_ids, part.attention_mask, part.response_mask, with_entropy=True,
-                                            pixels=self.pixels(part.image_row))
+                                            pixels=self.pixels(part.images))
         # on-policy (one update per rollout): the behaviour policy is the current one
         old_logp = part.old_logp if plan.old_logp else logp.detach()
         loss_fn, corrected = POLICY_LOSSES[algo.policy_loss], algo.is_correction is not None
@@ -258,7 +254,7 @@ class Learner(Rank):
 
     def probe_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The raw model's log-probs (temperature 1, as vLLM's prompt log-probs) on the sync probe."""
-        whole = {k: batch[k] for k in ("input_ids", "attention_mask", "image_row") if k in batch}  # every position, prompt included
+        whole = {k: batch[k] for k in ("input_ids", "attention_mask", "images") if k in batch}  # every position, prompt included
         out = self.logprobs(whole, reference=False, temperature=1.0)["logp"]
         return out if self.rank == 0 else None
 

@@ -115,7 +115,8 @@ class RolloutEngine:
 
             from stages.common.episodes import EpisodeRunner
 
-            self._episodes = EpisodeRunner(self.llm, AutoTokenizer.from_pretrained(self.model_path))
+            self._episodes = EpisodeRunner(self.llm, AutoTokenizer.from_pretrained(self.model_path),
+                                           self.model_path if self.banned is not None else None, self.banned)
         return self._episodes.run(jobs, spec)
 
     def update_weights(self, data: bytes) -> int:

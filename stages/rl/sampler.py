@@ -50,7 +50,8 @@ class SingleTurn:
         images = [self.images[i] for i in idx] if self.images is not None else None
         return self.engines.launch([self.prompt_ids[i] for i in idx], n, temperature, seed, logprobs, images)
 
-    def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool) -> list:
+    def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool,
+               images: list[list[str]] | None = None) -> list:
         return self.engines.gather(started.refs)
 
 
@@ -68,15 +69,21 @@ class Episodes:
         return Spec(ro.agent, ro.tools, ro.tool_parser, ro.max_tool_calls, ro.max_turns, ro.max_new_tokens, ro.max_model_len,
                     temperature, logprobs, ro.env_timeout_s, ro.max_concurrent_episodes, data)
 
-    def launch(self, idx: list[int], rows: list[dict], data, n: int, temperature: float, seed: int, logprobs: bool):
+    def launch(self, idx: list[int], rows: list[dict], data, n: int, temperature: float, seed: int, logprobs: bool,
+               images: list[list[str]] | None = None):
+        """``images``: a vision-language model's, each row's image references (their parts join the prompt)."""
         from stages.common.episodes import episode_jobs
 
-        groups = episode_jobs(rows, idx, data, n, seed, lambda p: self.render(p, data))
+        def render(prompt, refs):
+            return self.render(Sampler.pictured({"p": prompt}, "p", refs or [], "an episode's prompt"), data)
+
+        groups = episode_jobs(rows, idx, data, n, seed, render, images)
         return groups, self.engines.launch_episodes(groups, self.spec(temperature, logprobs, data))
 
-    def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool) -> list:
+    def finish(self, started: Started, rows: list[dict], data, n: int, temperature: float, logprobs: bool,
+               images: list[list[str]] | None = None) -> list:
         if started.refs is None:
-            started.refs = self.launch(started.idx, rows, data, n, temperature, started.seed, logprobs)
+            started.refs = self.launch(started.idx, rows, data, n, temperature, started.seed, logprobs, images)
         groups, refs = started.refs
         return self.engines.gather_episodes(refs, groups)
 
@@ -92,7 +99,7 @@ class Sampler:
         render = self.render
         episodes = agent is not None or cfg.rollout.tools is not None
         self.kind = Episodes(engines, self.render_text, cfg) if episodes else \
-            SingleTurn(engines, [render(self.pictured(r, cfg.data, images[i] if images else [], f"row {i + 1}"))
+            SingleTurn(engines, [render(self.pictured(r, cfg.data.prompt_key, images[i] if images else [], f"row {i + 1}"))
                                  for i, r in enumerate(rows)], images)
         self.engines = engines
         ro = cfg.rollout
@@ -101,13 +108,13 @@ class Sampler:
         self.extra_schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed + 7_919)
 
     @staticmethod
-    def pictured(row: dict, data, refs: list[str], where: str):
-        """A row's prompt, with the parts of its images ``refs`` (``data.image_key``) when it has any."""
+    def pictured(row: dict, key: str, refs: list[str], where: str):
+        """A row's prompt (``row[key]``), with the parts of its images ``refs`` (``data.image_key``) when it has any."""
         if not refs:
-            return row[data.prompt_key]
+            return row[key]
         from datasets_prep.images import with_images
 
-        return with_images(row[data.prompt_key], len(refs), where)
+        return with_images(row[key], len(refs), where)
 
     def render(self, prompt) -> list[int]:
         return self.tok(self.render_text(prompt), add_special_tokens=False)["input_ids"]
@@ -132,15 +139,16 @@ class Sampler:
         idx, seed = self.batch(step, extra)
         if isinstance(self.kind, Episodes):
             rows = [self.rows[i] for i in idx]
+            images = [self.images[i] for i in idx] if self.images is not None else None
             return Started(idx, seed, self.kind.launch(idx, rows, self.cfg.data, ro.n_samples_per_prompt, ro.temperature,
-                                                       seed, self.with_logp))
+                                                       seed, self.with_logp, images))
         return Started(idx, seed, self.kind.start(idx, ro.n_samples_per_prompt, ro.temperature, seed, self.with_logp))
 
     def _scored(self, started: Started) -> tuple[list, Samples, Scores]:
         ro = self.cfg.rollout
         rows = [self.rows[i] for i in started.idx]
         groups = self.kind.finish(started, rows, self.cfg.data, ro.n_samples_per_prompt, ro.temperature, self.with_logp)
-        samples = Samples.of(started.idx, groups, self.tok.pad_token_id, self.with_logp, images=self.images is not None)
+        samples = Samples.of(started.idx, groups, self.tok.pad_token_id, self.with_logp, self.images)
         return groups, samples, self.rewards.score(rows, samples)
 
     def collect(self, step: int, started: Started) -> Rollout:
@@ -179,7 +187,7 @@ class Sampler:
                 f"after algo.dynamic_filtering_max_batches={algo.dynamic_filtering_max_batches} extra batches; widen the "
                 "range, allow more extra batches, or use data the policy neither always solves nor always fails"
             )
-        samples = Samples.of(kept_idx[:want], kept_groups[:want], self.tok.pad_token_id, self.with_logp, images=self.images is not None)
+        samples = Samples.of(kept_idx[:want], kept_groups[:want], self.tok.pad_token_id, self.with_logp, self.images)
         scores = Scores.cat(kept_scores).rows(list(range(want * n)))
         return Rollout(samples, scores, {"filtered_share": 1 - (len(kept_idx) / drawn), "prompts_drawn": float(drawn)})
 
@@ -190,15 +198,16 @@ class Sampler:
             return {}
         data = self.cfg.eval_data
         started = Started(list(range(len(rows))), self.cfg.seed, None)
-        if isinstance(self.kind, SingleTurn):
-            images = None
-            if data.image_key is not None:
-                from datasets_prep.sft import row_images
+        images = None
+        if data.image_key is not None:
+            from datasets_prep.sft import row_images
 
-                images = [row_images(r, data, f"eval row {i + 1}") for i, r in enumerate(rows)]
-            prompts = [self.render(self.pictured(r, data, images[i] if images else [], f"eval row {i + 1}")) for i, r in enumerate(rows)]
+            images = [row_images(r, data, f"eval row {i + 1}") for i, r in enumerate(rows)]
+        if isinstance(self.kind, SingleTurn):
+            prompts = [self.render(self.pictured(r, data.prompt_key, images[i] if images else [], f"eval row {i + 1}"))
+                       for i, r in enumerate(rows)]
             started.refs = self.engines.launch(prompts, 1, 0.0, self.cfg.seed, images=images)
-        groups = self.kind.finish(started, rows, data, 1, 0.0, False)
+        groups = self.kind.finish(started, rows, data, 1, 0.0, False, images)
         samples = Samples.of(started.idx, groups, self.tok.pad_token_id, with_logp=False)
         if grader is not None:
             from stages.common.agents import last_answer

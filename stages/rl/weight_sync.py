@@ -35,11 +35,11 @@ class SyncError(RuntimeError):
 
 class WeightSync:
     def __init__(self, cfg: RLConfig, learners: list, engines: EnginePool, deadlines: Deadlines, gpu: bool,
-                 images: list[list[str]] | None = None, policy_path: str | None = None):
-        """``images``, ``policy_path``: a vision-language model's rows' image references and its folder (the probe's
-        images; the processor that collapses their blocks for vLLM)."""
+                 vision_path: str | None = None):
+        """``vision_path``: a vision-language policy's folder (the processor that collapses the probe's image blocks
+        for vLLM)."""
         self.cfg, self.learners, self.engines, self.deadlines = cfg, learners, engines, deadlines
-        self.images, self.policy_path = images, policy_path
+        self.vision_path = vision_path
         self.backend = cfg.sync_backend(gpu)
         self.probe: dict[str, torch.Tensor] | None = None
         self.meta: list | None = None  # what a broadcast push sends: (name, shape, dtype) in order
@@ -94,11 +94,11 @@ class WeightSync:
         learner = self.call([lr.probe_logprobs.remote(probe) for lr in self.learners], "learner.probe_logprobs")[0]
         seqs = [row[row_mask.bool()].tolist() for row, row_mask in zip(probe["input_ids"], probe["attention_mask"])]
         images = None
-        if "image_row" in probe:  # a vision-language model's probe: vLLM takes one image token per image, and the images
+        if "images" in probe:  # a vision-language model's probe: vLLM takes one image token per image, and the images
             from stages.common.vision import collapse_images
 
-            images = [self.images[i] for i in probe["image_row"].tolist()]
-            seqs = [collapse_images(s, refs, self.policy_path) for s, refs in zip(seqs, images, strict=True)]
+            images = probe["images"]
+            seqs = [collapse_images(s, refs, self.vision_path) for s, refs in zip(seqs, images, strict=True)]
         mean, worst = 0.0, 0.0
         for lps in self.engines.sequence_logprobs(seqs, images):
             ours = torch.cat([learner[i, 1 : len(lp) + 1] for i, lp in enumerate(lps)])

@@ -100,6 +100,28 @@ def test_vlm_rl_trains_on_image_prompts_with_every_push_verified(visual, vl_sft,
     assert "text_model" in adapted and "vision_model" not in adapted
 
 
+def test_a_multi_turn_agent_that_answers_with_a_picture_trains_on_both_pictures(visual, vl_sft, tmp_path):
+    """OpenRLHF's VLM agent contract: a wrong first answer is shown a second picture (``environment_images``, a chat
+    turn with an image part); the episode's trajectory holds both pictures' blocks and the learners' forward takes
+    both pictures' pixels: vLLM's sampling log-probs on every action equal the learner's within 1e-5 (fp32), every
+    push verified."""
+    from stages.rl.config import RLConfig
+    from stages.rl.driver import run_rl
+
+    data, _ = read_recipe(ROOT / "recipes/rl/visual.yaml")
+    micro = [f"data.paths=[{visual['rl_prompts']}]", f"eval_data.paths=[{visual['eval']}]", "eval_data.max_samples=16",
+             "eval_steps=0", f"output_root={tmp_path}", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
+             "train.train_batch_size=16", "train.micro_train_batch_size=8", "max_steps=2", "train.progress_bar=false",
+             "algo.advantage_estimator=rloo", "sync_tolerance=1e-5", "rollout.agent=recipes/agents/visual_look_again.py",
+             "rollout.max_turns=2", "rollout.max_model_len=128", "data.max_images_per_prompt=2", "eval_data.max_images_per_prompt=2",
+             "reward={}", "eval_grader=null"]
+    steps = metrics(run_rl(validate(RLConfig, apply_overrides(data, micro), "rl"), vl_sft))
+    assert len(steps) == 2 and all(s["sync_logprob_diff"] <= 1e-5 and s["rollout_logprob_diff"] <= 1e-5 for s in steps)
+    # a wrong first look (about half of them, from the SFT model) gets the second picture and a second action
+    assert all(1.05 < s["turns"] < 1.95 for s in steps), [s["turns"] for s in steps]
+    assert all(0.0 <= s["first_look_success"] <= 1.0 and 0.0 <= s["second_look_success"] <= 1.0 for s in steps)
+
+
 def test_vlm_mistakes_are_refused_by_name_before_anything_starts(visual, vl_sft, micro_model, tmp_path):
     from datasets_prep.loading import DataError
     from stages.rl.config import RLConfig

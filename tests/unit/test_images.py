@@ -112,6 +112,49 @@ def test_image_blocks_expand_and_collapse_and_only_vision_tokens_are_banned(tiny
     assert not banned & {"<|end|>", "<|assistant|>", "<|user|>", "<|pad|>", "<|bos|>"} and is_vision(tiny_vl)
 
 
+def test_an_episode_with_two_pictures_expands_to_the_processors_ids_its_actions_moved(tiny_vl):
+    """A multi-turn trajectory (prompt picture, action, a turn with a second picture, action): the expansion equals
+    the processor's on the same text and pictures; the actions' spans and log-probs move past each 7-token block."""
+    from datasets_prep.images import encode_png
+    from stages.common.agents import AgentError, episode_of
+    from stages.common.vision import expand_episode, expanded_length, load_processor
+
+    proc = load_processor(tiny_vl)
+    tok = proc.tokenizer
+    refs = [encode_png(Image.new("RGB", (56, 56), c)) for c in ((0, 0, 255), (255, 0, 0))]
+    ids = tok(proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}],
+                                       add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    a1, turn, a2 = tok("3", add_special_tokens=False)["input_ids"], tok("<image> Look again.", add_special_tokens=False)["input_ids"], [5, 6]
+    seq = ids + a1 + turn + a2
+    ranges = [(len(ids), len(ids) + len(a1)), (len(seq) - 2, len(seq))]
+    logps = [0.0] * len(ids) + [-0.5] * len(a1) + [0.0] * len(turn) + [-1.0, -2.0]
+    out, moved, lp = expand_episode(seq, ranges, logps, refs, tiny_vl)
+    images = [open_image(r) for r in refs]
+    assert out == proc(text=tok.decode(seq), images=[images], add_special_tokens=False)["input_ids"][0]
+    assert len(out) == len(seq) + 12 == expanded_length(seq, refs, tiny_vl)  # each image token -> 7 tokens
+    assert moved == [(ranges[0][0] + 6, ranges[0][1] + 6), (ranges[1][0] + 12, ranges[1][1] + 12)]
+    assert [lp[i] for a, b in moved for i in range(a, b)] == [-0.5] * len(a1) + [-1.0, -2.0] and sum(lp) == sum(logps)
+    result = {"observation_tokens": seq, "action_ranges": ranges, "rollout_log_probs": logps, "images": refs, "reward": 1.0}
+    ep = episode_of(result, tok, True, "row 1", tiny_vl, seen=out[: moved[1][0]])
+    assert ep.prompt_ids + ep.token_ids == out and ep.images == refs and sum(ep.action_mask) == len(a1) + 2
+    with pytest.raises(AgentError, match="row 1: the episode.s images: more image tokens than the 1 images given"):
+        episode_of({**result, "images": refs[:1]}, tok, True, "row 1", tiny_vl)
+    with pytest.raises(AgentError, match="differs from the prompt vLLM saw"):
+        episode_of(result, tok, True, "row 1", tiny_vl, seen=seq[: ranges[1][0]])
+
+
+def test_a_batchs_image_lists_follow_its_rows_when_cut_and_sorted():
+    import torch
+
+    from stages.rl.experience import TrainBatch
+
+    ids = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    z = torch.zeros(3, 3)
+    b = TrainBatch(ids, (ids > 0).long(), (ids > 0).long(), z, z, None, None, None, None, 1.0, images=[["a"], ["b", "c"], ["d"]])
+    assert b.sorted_by_length().images == [["b", "c"], ["d"], ["a"]] and b.rows(1, 3).images == [["b", "c"], ["d"]]
+    assert b.trimmed().images == b.images and b.sorted_by_length().rows(0, 1).input_ids.tolist() == [[1, 1, 1]]
+
+
 def test_lora_targets_the_language_model_and_the_tower_freezes(tiny_vl):
     import re
 
