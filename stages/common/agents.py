@@ -515,10 +515,7 @@ def episode_of(result: Any, tok, with_logprobs: bool, where: str, vision: str | 
                          "(observation_tokens, action_ranges, rollout_log_probs, reward, scores, extra_logs)")
     ids, ranges = [int(t) for t in result["observation_tokens"]], [tuple(r) for r in result["action_ranges"]]
     action_mask(ranges, len(ids), where)
-    lp = result.get("rollout_log_probs")
-    if with_logprobs and (lp is None or len(lp) != len(ids)):
-        raise AgentError(f"{where}: rollout_log_probs must give one number per observation token (the run keeps the "
-                         "engine's log-probs: async or algo.is_correction); set sampling_params.logprobs")
+    lp = _logprobs(result, len(ids), with_logprobs, where)
     images = None
     if vision is not None:
         ids, ranges, lp, images = _expanded(ids, ranges, lp if with_logprobs else None, result.get("images"), vision, seen, where)
@@ -531,6 +528,15 @@ def episode_of(result: Any, tok, with_logprobs: bool, where: str, vision: str | 
     logs = {str(k): number(v, f"extra_logs[{k!r}]", where, nan_ok=True) for k, v in (result.get("extra_logs") or {}).items()}
     return Episode(ids[:start], ids[start:], tok.decode(ids[start:]), logps, result.get("finish_reason"), mask,
                    reward=reward, score=0.0 if score is None else score, turns=len(ranges), info=logs, images=images)
+
+
+def _logprobs(result: dict, n: int, with_logprobs: bool, where: str) -> list | None:
+    """An episode dict's ``rollout_log_probs`` when the run keeps them: one per observation token."""
+    lp = result.get("rollout_log_probs")
+    if with_logprobs and (lp is None or len(lp) != n):
+        raise AgentError(f"{where}: rollout_log_probs must give one number per observation token (the run keeps the "
+                         "engine's log-probs: async or algo.is_correction); set sampling_params.logprobs")
+    return lp
 
 
 def _expanded(ids, ranges, logps, images, vision: str, seen: list[int] | None, where: str):

@@ -97,10 +97,7 @@ class Samples:
             if logp is not None:
                 logp[i, p : p + r] = torch.tensor(c.logprobs)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
-        seen = None
-        if images is not None:
-            seen = [list(c.images) if getattr(c, "images", None) is not None else list(images[i])
-                    for i, g in zip(prompt_index, groups, strict=True) for c in g]
+        seen = None if images is None else _sample_images(prompt_index, groups, images)
         return cls(prompt_index, [list(c.prompt_ids) for c in flat], [list(c.token_ids) for c in flat],
                    [c.text for c in flat], ids, attn, resp, logp, truncated, flat, seen)
 
@@ -109,6 +106,12 @@ class Samples:
         sliced with the rows)."""
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "response_mask": self.response_mask}
         return out if self.images is None else {**out, "images": self.images}
+
+
+def _sample_images(prompt_index: list[int], groups: list[list[Any]], images: list[list[str]]) -> list[list[str]]:
+    """Each sample's image references: an episode's own (the prompt's and its environment's), else its row's."""
+    return [list(c.images) if getattr(c, "images", None) is not None else list(images[i])
+            for i, g in zip(prompt_index, groups, strict=True) for c in g]
 
 
 @dataclass
