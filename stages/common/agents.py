@@ -237,6 +237,7 @@ class _Trajectory:
     total: float = 0.0
     score: float | None = None
     extra: dict = field(default_factory=dict)
+    opened: dict = field(default_factory=dict)  # the pictures opened so far, by reference
 
     def act(self, out, logprobs: bool) -> None:
         """Append an action's tokens as sampled (and their log-probs when asked for)."""
@@ -256,9 +257,13 @@ class _Trajectory:
         return expanded_length(self.ids, self.images, s.vision)
 
     def multi_modal_data(self) -> dict | None:
+        """The pictures for vLLM, each opened once per episode."""
         from datasets_prep.images import open_image
 
-        return {"image": [open_image(r) for r in self.images]} if self.images else None
+        for r in self.images:
+            if r not in self.opened:
+                self.opened[r] = open_image(r)
+        return {"image": [self.opened[r] for r in self.images]} if self.images else None
 
     def scored(self, result: dict) -> None:
         """A step's answer: its rewards summed, its scores (default the sum) and extra_logs the last ones."""

@@ -253,15 +253,12 @@ def episodes_rank(job: dict, rank: int, world_size: int) -> dict:
     import time
     from dataclasses import asdict
 
-    from transformers import AutoTokenizer
-
     from datasets_prep.loading import DataConfig
     from stages.rl.rollout import RolloutEngine, engine_settings_of
 
     engine = RolloutEngine(job["model"], seed=job.get("seed", 0),
                            settings=engine_settings_of(job.get("dtype", "float32"), job.get("max_model_len", 512)))
-    runner = EpisodeRunner(engine.llm, AutoTokenizer.from_pretrained(job["model"]),
-                           job["model"] if engine.banned is not None else None, engine.banned)
+    runner = engine.episode_runner()
     out = []
     for run in job["runs"]:
         spec = Spec(**{**run["spec"], "data": DataConfig.model_validate(run["spec"]["data"])})

@@ -110,6 +110,10 @@ class RolloutEngine:
     def run_episodes(self, jobs: list, spec) -> list:
         """Agent episodes, every one in flight at once (``stages.common.episodes``): :class:`stages.common.agents.Episode` s
         in the order of ``jobs``."""
+        return self.episode_runner().run(jobs, spec)
+
+    def episode_runner(self):
+        """The engine's :class:`stages.common.episodes.EpisodeRunner` (made once: it keeps the loaded agent files)."""
         if self._episodes is None:
             from transformers import AutoTokenizer
 
@@ -117,7 +121,7 @@ class RolloutEngine:
 
             self._episodes = EpisodeRunner(self.llm, AutoTokenizer.from_pretrained(self.model_path),
                                            self.model_path if self.banned is not None else None, self.banned)
-        return self._episodes.run(jobs, spec)
+        return self._episodes
 
     def update_weights(self, data: bytes) -> int:
         loaded = self.llm.collective_rpc("load_safetensors_bytes", args=(data,))

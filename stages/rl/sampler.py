@@ -75,7 +75,7 @@ class Episodes:
         from stages.common.episodes import episode_jobs
 
         def render(prompt, refs):
-            return self.render(Sampler.pictured({"p": prompt}, "p", refs or [], "an episode's prompt"), data)
+            return self.render(Sampler.pictured(prompt, refs or [], "an episode's prompt"), data)
 
         groups = episode_jobs(rows, idx, data, n, seed, render, images)
         return groups, self.engines.launch_episodes(groups, self.spec(temperature, logprobs, data))
@@ -99,7 +99,7 @@ class Sampler:
         render = self.render
         episodes = agent is not None or cfg.rollout.tools is not None
         self.kind = Episodes(engines, self.render_text, cfg) if episodes else \
-            SingleTurn(engines, [render(self.pictured(r, cfg.data.prompt_key, images[i] if images else [], f"row {i + 1}"))
+            SingleTurn(engines, [render(self.pictured(r[cfg.data.prompt_key], images[i] if images else [], f"row {i + 1}"))
                                  for i, r in enumerate(rows)], images)
         self.engines = engines
         ro = cfg.rollout
@@ -108,13 +108,13 @@ class Sampler:
         self.extra_schedule = BatchSchedule(len(rows), ro.rollout_batch_size, ro.rollout_batch_size, 1, cfg.seed + 7_919)
 
     @staticmethod
-    def pictured(row: dict, key: str, refs: list[str], where: str):
-        """A row's prompt (``row[key]``), with the parts of its images ``refs`` (``data.image_key``) when it has any."""
+    def pictured(prompt, refs: list[str], where: str):
+        """A row's prompt, with the parts of its images ``refs`` (``data.image_key``) when it has any."""
         if not refs:
-            return row[key]
+            return prompt
         from datasets_prep.images import with_images
 
-        return with_images(row[key], len(refs), where)
+        return with_images(prompt, len(refs), where)
 
     def render(self, prompt) -> list[int]:
         return self.tok(self.render_text(prompt), add_special_tokens=False)["input_ids"]
@@ -204,7 +204,7 @@ class Sampler:
 
             images = [row_images(r, data, f"eval row {i + 1}") for i, r in enumerate(rows)]
         if isinstance(self.kind, SingleTurn):
-            prompts = [self.render(self.pictured(r, data.prompt_key, images[i] if images else [], f"eval row {i + 1}"))
+            prompts = [self.render(self.pictured(r[data.prompt_key], images[i] if images else [], f"eval row {i + 1}"))
                        for i, r in enumerate(rows)]
             started.refs = self.engines.launch(prompts, 1, 0.0, self.cfg.seed, images=images)
         groups = self.kind.finish(started, rows, data, 1, 0.0, False, images)
